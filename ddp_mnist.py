@@ -1,0 +1,219 @@
+"""Lesson 1: the simplest complete DistributedDataParallel run.
+
+    torchrun --standalone --nproc_per_node=4 ddp_mnist.py          # 4 GPUs, or 4 CPU processes
+
+torchrun starts one process per GPU (or per CPU slot) and gives each its rank. Every process
+builds the same model; DDP averages the gradients across processes during backward, so every
+replica takes the same optimizer step and the replicas stay identical. Each process sees a
+different shard of the data (DistributedSampler), which is where the speed-up comes from.
+The DDP-specific lines are marked `# DDP:`.
+"""
+import argparse
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from ddp_common import cleanup, fail, print0, save_checkpoint, set_seed, setup
+
+MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Lesson 1: train a small CNN on MNIST with DDP. "
+                                "Launch with: torchrun --standalone --nproc_per_node=N ddp_mnist.py")
+    p.add_argument("--data", default="auto", choices=["auto", "mnist", "synthetic"],
+                   help="mnist: the real set (downloaded into --data-dir if missing, error if it "
+                        "cannot be); synthetic: generated MNIST-shaped digits, no download; "
+                        "auto: mnist, or synthetic with a warning when it cannot be had (default)")
+    p.add_argument("--data-dir", default="./data", help="where MNIST/raw/ lives (default ./data)")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the training set (default 2)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many optimizer steps in all (0 = no cap); for quick checks")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="samples per step PER RANK; the global batch is this x world size (default 64)")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed for init, data order and synthetic data")
+    p.add_argument("--checkpoint-dir", default="./checkpoints",
+                   help="rank 0 saves mnist.pt here after every epoch (default ./checkpoints)")
+    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                   help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
+    p.add_argument("--log-every", type=int, default=100, help="steps between log lines (default 100)")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_steps < 0 or args.lr <= 0:
+        p.error("--max-steps must be >= 0 and --lr > 0")
+    return args
+
+
+class Net(nn.Module):
+    """A small CNN: 28x28 digit -> 10 class scores (~0.2 M parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
+        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
+        self.fc1 = nn.Linear(32 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def load_mnist(data_dir, download):
+    """Real MNIST through torchvision (IDX files in DATA_DIR/MNIST/raw/), as normalised tensors."""
+    from torchvision.datasets import MNIST
+    sets = [MNIST(data_dir, train=train, download=download) for train in (True, False)]
+    return [TensorDataset(s.data.unsqueeze(1).float().div(255).sub(MEAN).div(STD), s.targets)
+            for s in sets]
+
+
+def synthetic_mnist(seed, n_train=60000, n_test=10000):
+    """MNIST-shaped data that can be learned: each class is a fixed random smooth pattern, each
+    sample that pattern, shifted by a pixel or two, plus noise. Same on every rank (fixed seed)."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    protos = F.interpolate(torch.rand(10, 1, 7, 7, generator=g), size=28, mode="bilinear")
+
+    def make(n):
+        y = torch.randint(0, 10, (n,), generator=g)
+        x, shift = protos[y], torch.randint(0, 25, (n,), generator=g)
+        for k in range(25):  # move each sample by (-2..2, -2..2) pixels
+            x[shift == k] = torch.roll(x[shift == k], shifts=(k // 5 - 2, k % 5 - 2), dims=(2, 3))
+        x = x + 1.2 * torch.randn(n, 1, 28, 28, generator=g)
+        return TensorDataset((x - x.mean()) / x.std(), y)
+    return make(n_train), make(n_test)
+
+
+def get_data(args, ddp):
+    """Rank 0 alone downloads (N ranks downloading into one folder corrupt it); the others wait at
+    the barrier, then everyone loads the files from disk. Rank 0's choice is broadcast so every
+    rank trains on the same dataset."""
+    choice = [args.data]
+    if ddp.is_main and args.data != "synthetic":
+        try:
+            load_mnist(args.data_dir, download=True)
+            choice = ["mnist"]
+        except Exception as e:  # offline, proxy, disk full ...
+            reason = " ".join(str(e).split())[:150] or type(e).__name__
+            if args.data == "mnist":
+                choice = [f"error:{reason}"]
+            else:
+                print0(f"warning: MNIST is not in {args.data_dir}/MNIST/raw and could not be "
+                       f"downloaded ({reason}); using synthetic MNIST-shaped data instead")
+                choice = ["synthetic"]
+    dist.broadcast_object_list(choice, src=0)  # DDP: all ranks agree on the dataset
+    if choice[0].startswith("error:"):
+        fail(f"MNIST is not in {args.data_dir}/MNIST/raw and could not be downloaded "
+             f"({choice[0][6:]}). Copy the four IDX files there, or use --data synthetic",
+             code=1, rank0_only=True)
+    if choice[0] == "mnist":
+        return "mnist", *load_mnist(args.data_dir, download=False)
+    return "synthetic", *synthetic_mnist(args.seed)
+
+
+@torch.no_grad()
+def evaluate(model, test_set, ddp, batch_size):
+    """Exact test accuracy across ranks. DistributedSampler would pad the shards with repeated
+    samples to make them equal; here rank r takes samples r, r+W, r+2W, ... (no padding, no
+    sample twice) and the sums are all-reduced, so the total count is exactly len(test_set)."""
+    model.eval()
+    shard = Subset(test_set, range(ddp.rank, len(test_set), ddp.world_size))
+    totals = torch.zeros(3, device=ddp.device)  # loss sum, correct, count
+    for x, y in DataLoader(shard, batch_size=4 * batch_size):
+        x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
+        logits = model(x)
+        totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
+                               (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=ddp.device)])
+    dist.all_reduce(totals)  # DDP: sum the shards' counts
+    model.train()
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count, int(correct), int(count)
+
+
+def make_train_loader(train_set, ddp, batch_size, seed):
+    # DDP: each rank draws a different 1/world_size of the shuffled indices every epoch.
+    sampler = DistributedSampler(train_set, num_replicas=ddp.world_size, rank=ddp.rank,
+                                 shuffle=True, seed=seed)
+    return DataLoader(train_set, batch_size=batch_size, sampler=sampler,
+                      pin_memory=ddp.device.type == "cuda")  # pinned memory: async host->GPU copies
+
+
+def train(args, ddp):
+    set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP also broadcasts them)
+    dataset, train_set, test_set = get_data(args, ddp)
+    loader = make_train_loader(train_set, ddp, args.batch_size, args.seed)
+    sampler = loader.sampler
+    on_gpu = ddp.device.type == "cuda"
+
+    model = Net().to(ddp.device)
+    # DDP: wrap the model; gradients are all-reduced (averaged) in buckets during backward.
+    model = DDP(model, device_ids=[ddp.device.index] if on_gpu else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=on_gpu)
+
+    steps_per_epoch = len(loader)
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    print0(f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | world {ddp.world_size} "
+           f"| backend {ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
+           f"{args.batch_size * ddp.world_size} global | steps {total_steps}")
+
+    step, t_start = 0, time.perf_counter()
+    t_log, loss_sum = t_start, torch.zeros((), device=ddp.device)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # DDP: without this every epoch repeats epoch 0's order
+        for x, y in loader:
+            x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP: the all-reduce of gradients overlaps with this backward
+            optimizer.step()
+            loss_sum += loss.detach()  # stays on the device: no sync with the host per step
+            step += 1
+            if step % args.log_every == 0 or step == total_steps:
+                n = (step - 1) % args.log_every + 1
+                now = time.perf_counter()  # .item() below waits for the GPU: once per log line
+                rate = n * args.batch_size * ddp.world_size / (now - t_log)
+                eta = (total_steps - step) * (now - t_start) / step
+                print0(f"epoch {epoch + 1}/{args.epochs} | step {step}/{total_steps} | "
+                       f"loss {loss_sum.item() / n:.4f} | {rate:.0f} samples/s | "
+                       f"eta {datetime.timedelta(seconds=round(eta))}")
+                t_log, loss_sum = now, torch.zeros((), device=ddp.device)
+            if step == total_steps:
+                break
+        val_loss, val_acc, correct, count = evaluate(model, test_set, ddp, args.batch_size)
+        print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
+               f"val_acc {100 * val_acc:.2f}% ({correct}/{count})")
+        # DDP: save model.module (the bare model, no 'module.' prefix); rank 0 writes atomically.
+        save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch + 1, "step": step},
+                        os.path.join(args.checkpoint_dir, "mnist.pt"))
+        if step == total_steps:
+            break
+
+    print0(f"done: data {dataset} | world {ddp.world_size} | backend {ddp.backend} | "
+           f"device {ddp.device.type} | steps {step} | val_loss {val_loss:.4f} | "
+           f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | time {time.perf_counter() - t_start:.1f}s")
+    return model
+
+
+def main():
+    args = parse_args()
+    ddp = setup(args.backend)  # DDP: join the process group; pick this rank's device
+    train(args, ddp)
+    cleanup()
+
+
+if __name__ == "__main__":
+    main()

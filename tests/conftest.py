@@ -1,0 +1,112 @@
+"""Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
+and the whole process tree killed when a run fails or hangs."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # so tests (and mp.spawn children) can import the lessons
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(**extra):
+    """Environment for a CPU/gloo run: no GPU, one thread per process, short collective timeout."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "SLURM_"))}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               DDP_TIMEOUT="60", PYTHONPATH=str(ROOT))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, timeout=180, env=None, cwd=None):
+    """Run cmd in its own session; on timeout kill the whole group and fail the test.
+    Any stragglers (workers of a crashed launcher) are killed too."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd or ROOT, env=env or cpu_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
+                    f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun_cmd(script, *args, nproc=2, extra=()):
+    """torchrun (as `python -m torch.distributed.run`, the same program) on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, ROOT / script, *args]
+
+
+def run_torchrun(script, *args, nproc=2, timeout=180, env=None, extra=()):
+    return run(torchrun_cmd(script, *args, nproc=nproc, extra=extra), timeout=timeout,
+               env=env or cpu_env())
+
+
+def run_python(script, *args, timeout=180, env=None):
+    return run([sys.executable, ROOT / script, *args], timeout=timeout, env=env or cpu_env())
+
+
+def assert_ok(result):
+    """Exit 0, or fail showing the ends of both streams."""
+    assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
+                                    f"\n--- stderr\n{result.stderr[-3000:]}")
+
+
+def error_lines(result):
+    """The `error:` lines a failed run printed (the interface for user mistakes); argparse's
+    `prog: error: ...` lines count too."""
+    return [l for l in (result.stderr + result.stdout).splitlines()
+            if re.match(r"(\S+: )?error: ", l)]
+
+
+def spawn(fn, nprocs, *args, port=None):
+    """mp.spawn fn(rank, world_size, port, *args) in fresh processes on gloo (fn must live in an
+    importable module). Sets a free MASTER_PORT; the processes die with the test on failure."""
+    import torch.multiprocessing as mp
+    port = port or free_port()
+    mp.spawn(fn, args=(nprocs, port, *args), nprocs=nprocs, join=True)
+
+
+def init_spawned(rank, world_size, port):
+    """In a spawned test worker: join the group through the helper under test (gloo, CPU)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="",
+                      DDP_TIMEOUT="60")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ.pop(k, None)
+    import ddp_common
+    return ddp_common.setup(backend="gloo", rank=rank, world_size=world_size)
+
+
+def assert_clean_failure(result, code=None):
+    """A user mistake or failure: non-zero exit, an `error:` line, and no Python traceback from
+    the course's own files. (torchrun then adds its own ChildFailedError report about the failed
+    worker; that is the launcher's output, and the `error:` line above it is the cause.)"""
+    assert result.returncode != 0 if code is None else result.returncode == code, \
+        (result.returncode, result.stderr[-2000:])
+    errs = error_lines(result)
+    assert errs, f"no error line:\n{result.stderr[-2000:]}"
+    ours = [l for l in result.stderr.splitlines()
+            if re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv)', l)]
+    assert not ours, "traceback from the course's code:\n" + "\n".join(ours)
+    return errs
