@@ -2,6 +2,7 @@
 and the whole process tree killed when a run fails or hangs."""
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,3 +111,42 @@ def assert_clean_failure(result, code=None):
             if re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv)', l)]
     assert not ours, "traceback from the course's code:\n" + "\n".join(ours)
     return errs
+
+
+# ---- a real two-node Slurm on this machine (lesson 4; used by test_slurm.py and test_readme.py) ----
+CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
+STATE_DIR = "/tmp/ddp-course-slurm"
+
+
+def cannot_start_reason():
+    if os.environ.get("DDP_COURSE_NO_SLURM") == "1" and os.environ.get("CI") != "true":
+        return "DDP_COURSE_NO_SLURM=1"
+    if os.geteuid() != 0:
+        return "starting the test Slurm needs root"
+    if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+        return "Slurm is not installed and there is no apt-get to install it"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """Environment for sbatch/srun against the test cluster (started here, stopped at the end)."""
+    in_ci = os.environ.get("CI") == "true"
+    reason = cannot_start_reason()
+    if reason:
+        if in_ci:
+            pytest.fail(f"CI must run the Slurm tests, but {reason}")
+        pytest.skip(f"no test Slurm: {reason}")
+    env = dict(os.environ, SLURM_TEST_DIR=STATE_DIR)
+    start = subprocess.run(["bash", CLUSTER, "start"], env=env, capture_output=True, text=True,
+                           timeout=900)
+    if start.returncode != 0:
+        subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
+        pytest.fail(f"tests/slurm_cluster.sh start failed:\n{start.stdout[-2000:]}{start.stderr[-3000:]}")
+    try:
+        # The jobs inherit this environment (sbatch --export=ALL): without a .venv in the repo
+        # the sbatch scripts run the python/torchrun found first on PATH, i.e. this one.
+        yield {"SLURM_CONF": f"{STATE_DIR}/slurm.conf",
+               "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    finally:
+        subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)

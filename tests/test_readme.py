@@ -71,8 +71,7 @@ def repo_copy(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [b for b in BLOCKS if b != TEST_COMMAND], ids=block_id)
 def test_readme_command_runs_as_printed(script, repo_copy, request):
-    if needs_slurm(script):
-        request.getfixturevalue("slurm_cluster")  # a real Slurm (tests/test_slurm.py), or skip
+    slurm_env = request.getfixturevalue("slurm") if needs_slurm(script) else {}  # real Slurm
     cwd = repo_copy
     if "python3 -m venv .venv" in script:
         # The set-up command (re)creates ./.venv: run it in the repository itself, against the
@@ -84,6 +83,7 @@ def test_readme_command_runs_as_printed(script, repo_copy, request):
     bin_dir = os.path.dirname(sys.executable)
     env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH="",
                   https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+    env.update(slurm_env)
     result = run(["bash", "-euo", "pipefail", "-c", script], timeout=400, env=env, cwd=cwd)
     assert result.returncode == 0, (f"README command failed (exit {result.returncode}):\n{script}\n"
                                     f"--- stdout\n{result.stdout[-2500:]}\n--- stderr\n{result.stderr[-2500:]}")

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# launch_ddp.sh: start any lesson on one node, on one node of a multi-node job, or through Slurm.
+#
+#   ./launch_ddp.sh multinode.py --epochs 2                     one node, one process per GPU
+#   ./launch_ddp.sh --nnodes 2 --node-rank 0 --master-addr HOST0 multinode.py   on node 0,
+#   ./launch_ddp.sh --nnodes 2 --node-rank 1 --master-addr HOST0 multinode.py   then on node 1
+#   ./launch_ddp.sh --nnodes 2 --rdzv-endpoint HOST0:29400 multinode.py          same on every node
+#   ./launch_ddp.sh --slurm --nnodes 2 multinode.py             sbatch slurm/train.sbatch
+#
+# Everything after the script name goes to the script. Run ./launch_ddp.sh --help for all options.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: launch_ddp.sh [options] SCRIPT [SCRIPT ARGS...]
+
+Start SCRIPT with torchrun on this node (single node or one node of a multi-node job), or submit
+it to Slurm. Options:
+  --nproc N             processes on this node (default: number of GPUs from nvidia-smi -L,
+                        or 2 on a machine without GPUs)
+  --nnodes N            number of nodes in the job (default 1)
+  --node-rank R         static rendezvous: this node's rank, 0..N-1 (node 0 hosts the store)
+  --master-addr HOST    static rendezvous: address of node rank 0, reachable from every node
+  --master-port PORT    static rendezvous port on node 0 (default 29500)
+  --rdzv-endpoint HOST[:PORT]
+                        c10d rendezvous instead: the same command on every node; node ranks are
+                        handed out as nodes join (HOST is one of the nodes; default port 29400)
+  --rdzv-id ID          c10d rendezvous id, the same on every node of one job (default ddp-course)
+  --slurm               submit with sbatch slurm/train.sbatch (one torchrun per node);
+                        --nnodes sets --nodes, --nproc sets NPROC_PER_NODE
+  --slurm-srun          submit with sbatch slurm/train_srun.sbatch (one srun task per GPU,
+                        no torchrun); --nproc sets --ntasks-per-node
+  --debug               verbose distributed logs: NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET,
+                        TORCH_DISTRIBUTED_DEBUG=DETAIL, TORCH_CPP_LOG_LEVEL=INFO,
+                        TORCH_SHOW_CPP_STACKTRACES=1, LOGLEVEL=INFO
+  --dry-run             print the command instead of running it
+  -h, --help            this help
+Extra sbatch options: set SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT... in the environment.
+EOF
+}
+
+die() { echo "error: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 && -n $2 ]] || die "$1 needs a value (see --help)"; }
+is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
+
+NPROC="" NNODES=1 NODE_RANK="" MASTER_ADDR_ARG="" MASTER_PORT_ARG=29500 RDZV_ENDPOINT="" RDZV_ID=ddp-course
+MODE=torchrun DEBUG=0 DRY_RUN=0 PORT_SET=0 NNODES_SET=0
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        -h|--help) usage; exit 0 ;;
+        --nproc|--nproc-per-node|--nproc_per_node) need_value "$@"; NPROC=$2; shift 2 ;;
+        --nnodes) need_value "$@"; NNODES=$2; NNODES_SET=1; shift 2 ;;
+        --node-rank|--node_rank) need_value "$@"; NODE_RANK=$2; shift 2 ;;
+        --master-addr|--master_addr) need_value "$@"; MASTER_ADDR_ARG=$2; shift 2 ;;
+        --master-port|--master_port) need_value "$@"; MASTER_PORT_ARG=$2; PORT_SET=1; shift 2 ;;
+        --rdzv-endpoint|--rdzv_endpoint) need_value "$@"; RDZV_ENDPOINT=$2; shift 2 ;;
+        --rdzv-id|--rdzv_id) need_value "$@"; RDZV_ID=$2; shift 2 ;;
+        --slurm) MODE=slurm; shift ;;
+        --slurm-srun) MODE=slurm-srun; shift ;;
+        --debug) DEBUG=1; shift ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        --) shift; break ;;
+        -*) die "unknown option $1 (see --help)" ;;
+        *) break ;;
+    esac
+done
+
+[[ $# -ge 1 ]] || die "no script given: launch_ddp.sh [options] SCRIPT [ARGS...] (see --help)"
+is_uint "$NNODES" && [[ $NNODES -ge 1 ]] || die "--nnodes must be a whole number >= 1, not '$NNODES'"
+if [[ -n $NPROC ]]; then
+    is_uint "$NPROC" && [[ $NPROC -ge 1 ]] || die "--nproc must be a whole number >= 1, not '$NPROC'"
+fi
+is_uint "$MASTER_PORT_ARG" && [[ $MASTER_PORT_ARG -ge 1 && $MASTER_PORT_ARG -le 65535 ]] \
+    || die "--master-port must be a port number 1..65535, not '$MASTER_PORT_ARG'"
+SCRIPT=$1; shift
+[[ -f $SCRIPT ]] || die "script $SCRIPT not found (paths are relative to $(pwd))"
+
+if [[ $DEBUG == 1 ]]; then
+    # What each one shows: NCCL's transport choice and errors; DDP's checks of unused parameters
+    # and mismatched collectives; c10d's store/rendezvous logs; C++ stacks in errors; torchrun's log.
+    export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=DETAIL \
+        TORCH_CPP_LOG_LEVEL=INFO TORCH_SHOW_CPP_STACKTRACES=1 LOGLEVEL=INFO PYTHONFAULTHANDLER=1
+    echo "+ export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=DETAIL" \
+        "TORCH_CPP_LOG_LEVEL=INFO TORCH_SHOW_CPP_STACKTRACES=1 LOGLEVEL=INFO PYTHONFAULTHANDLER=1" >&2
+fi
+
+run() {  # print the command (shell-quoted), then run it unless --dry-run
+    printf '+' >&2; printf ' %q' "$@" >&2; printf '\n' >&2
+    [[ $DRY_RUN == 1 ]] && exit 0
+    exec "$@"
+}
+
+if [[ $MODE != torchrun ]]; then
+    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT && $PORT_SET == 0 ]] \
+        || die "--node-rank, --master-addr, --master-port and --rdzv-endpoint are not used with $MODE: the sbatch script picks them"
+    HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    export DDP_COURSE_DIR=$HERE   # the sbatch scripts activate $DDP_COURSE_DIR/.venv if it exists
+    OPTS=()   # only what you gave overrides the #SBATCH lines of the script
+    [[ $NNODES_SET == 1 ]] && OPTS+=(--nodes="$NNODES")
+    if [[ $MODE == slurm ]]; then
+        CMD=(sbatch "${OPTS[@]}" ${NPROC:+--export=ALL,NPROC_PER_NODE=$NPROC} "$HERE/slurm/train.sbatch")
+    else
+        CMD=(sbatch "${OPTS[@]}" ${NPROC:+--ntasks-per-node=$NPROC} "$HERE/slurm/train_srun.sbatch")
+    fi
+    CMD+=("$SCRIPT" "$@")
+    [[ $DRY_RUN == 1 ]] || command -v sbatch >/dev/null || die "sbatch not found: is this a Slurm login node?"
+    run "${CMD[@]}"
+fi
+
+if [[ -z $NPROC ]]; then
+    NPROC=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+    [[ $NPROC -ge 1 ]] || NPROC=2   # no GPU: 2 CPU processes (gloo) to see DDP at work
+fi
+if command -v torchrun >/dev/null; then TORCHRUN=(torchrun); else TORCHRUN=("${PYTHON:-python}" -m torch.distributed.run); fi
+
+if [[ $NNODES == 1 ]]; then
+    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT ]] \
+        || die "--node-rank, --master-addr and --rdzv-endpoint need --nnodes 2 or more"
+    # --standalone: a private rendezvous on a free local port, so two jobs never collide.
+    run "${TORCHRUN[@]}" --standalone --nproc-per-node="$NPROC" "$SCRIPT" "$@"
+fi
+
+if [[ -n $RDZV_ENDPOINT ]]; then
+    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && $PORT_SET == 0 ]] \
+        || die "use either --rdzv-endpoint (c10d) or --node-rank/--master-addr/--master-port (static), not both"
+    [[ $RDZV_ENDPOINT == *:* ]] || RDZV_ENDPOINT=$RDZV_ENDPOINT:29400
+    # c10d: every node runs this same line; the node whose address is HOST serves the store.
+    run "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
+        --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" "$SCRIPT" "$@"
+fi
+
+[[ -n $NODE_RANK && -n $MASTER_ADDR_ARG ]] \
+    || die "--nnodes $NNODES needs --node-rank and --master-addr (static), or --rdzv-endpoint (c10d)"
+is_uint "$NODE_RANK" && [[ $NODE_RANK -lt $NNODES ]] \
+    || die "--node-rank must be 0..$((NNODES - 1)) for --nnodes $NNODES, not '$NODE_RANK'"
+# static: node ranks are fixed by you; node 0 hosts the store at MASTER_ADDR:MASTER_PORT.
+run "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" --node-rank="$NODE_RANK" \
+    --master-addr="$MASTER_ADDR_ARG" --master-port="$MASTER_PORT_ARG" "$SCRIPT" "$@"

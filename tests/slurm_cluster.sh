@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# A real two-node Slurm on this one machine, for tests/test_slurm.py (and for trying the
+# sbatch scripts by hand). Needs root and apt-get (Debian/Ubuntu); no systemd or cgroups needed.
+#
+#   tests/slurm_cluster.sh start    install munge+Slurm if missing, start munged, slurmctld and two
+#                                   slurmd (node1, node2; 2 CPUs and 2 fake GPUs each), wait idle
+#   tests/slurm_cluster.sh status   daemons and sinfo
+#   tests/slurm_cluster.sh stop     stop the daemons this script started (by pid file only)
+#
+# Then, in the same shell:  export SLURM_CONF=/tmp/ddp-course-slurm/slurm.conf
+#                           sbatch --wait slurm/train.sbatch multinode.py --epochs 2
+# Everything (config, state, logs, pid files, fake GPU devices) lives in $SLURM_TEST_DIR
+# (default /tmp/ddp-course-slurm), wiped at each start. Outside it, start touches only
+# /etc/hosts (adds node1/node2 -> 127.0.0.1 if they do not resolve) and /run/munge.
+# The "GPUs" are character devices with /dev/null's numbers: Slurm counts and hands them out
+# (so `#SBATCH --gpus-per-node=2` works unchanged), but there is no CUDA behind them.
+set -euo pipefail
+
+DIR=${SLURM_TEST_DIR:-/tmp/ddp-course-slurm}
+CONF=$DIR/slurm.conf
+NODES=(node1 node2)
+CPUS=${SLURM_TEST_CPUS:-2}   # CPUs per node as Slurm sees them (tasks per node, at most)
+MUNGE_PID=/run/munge/munged.pid
+
+say() { echo "slurm_cluster: $*" >&2; }
+die() { echo "error: $*" >&2; exit 1; }
+
+pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+install_slurm() {
+    local need=0
+    for c in munged mungekey slurmctld slurmd sbatch srun sinfo; do
+        command -v "$c" >/dev/null || need=1
+    done
+    [[ $need == 0 ]] && return 0
+    [[ $(id -u) == 0 ]] || die "Slurm is not installed and installing it needs root"
+    command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get to install it"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-cache show slurmctld >/dev/null 2>&1; then
+        say "apt-get update"
+        apt-get update -q >/dev/null || die "apt-get update failed"
+    fi
+    say "installing munge and Slurm (apt-get)"
+    apt-get install -y -q --no-install-recommends munge slurmctld slurmd slurm-client >/dev/null \
+        || die "apt-get install munge slurmctld slurmd slurm-client failed"
+}
+
+add_hosts() {
+    for n in "${NODES[@]}"; do
+        # The job uses the first node's name as MASTER_ADDR / rendezvous host: it must resolve.
+        getent hosts "$n" >/dev/null || echo "127.0.0.1 $n  # ddp-course test Slurm" >>/etc/hosts
+    done
+}
+
+write_config() {
+    mkdir -p "$DIR"/{state,log,run,dev} "$DIR"/spool/{node1,node2}
+    local gres_lines="" i=0
+    for n in "${NODES[@]}"; do
+        # Fake GPUs: gres needs device files (a count-only gres leaves the node INVAL).
+        mknod "$DIR/dev/nvidia$i" c 1 3 && mknod "$DIR/dev/nvidia$((i + 1))" c 1 3
+        gres_lines+="NodeName=$n Name=gpu File=$DIR/dev/nvidia[$i-$((i + 1))]"$'\n'
+        i=$((i + 2))
+    done
+    printf '%s' "$gres_lines" >"$DIR/gres.conf"
+    cat >"$CONF" <<EOF
+# Written by tests/slurm_cluster.sh: two nodes on one machine, for tests only.
+ClusterName=ddpcourse
+SlurmctldHost=localhost(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+# Finished jobs leave the controller after 5 s: sbatch --wait then returns within seconds.
+MinJobAge=5
+# Seconds between SIGTERM and SIGKILL when a step is killed (e.g. --kill-on-bad-exit).
+KillWait=5
+SlurmctldPort=16817
+SlurmdPort=17001
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+GresTypes=gpu
+NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17002 CPUs=$CPUS Gres=gpu:2 State=UNKNOWN
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+start_munge() {
+    pid_alive "$MUNGE_PID" && return 0
+    if [[ ! -s /etc/munge/munge.key ]]; then
+        mkdir -p /etc/munge
+        mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
+            || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+    fi
+    mkdir -p /run/munge /var/lib/munge /var/log/munge
+    chown munge:munge /etc/munge /etc/munge/munge.key /run/munge /var/lib/munge /var/log/munge
+    chmod 0700 /etc/munge /var/lib/munge /var/log/munge
+    chmod 0400 /etc/munge/munge.key
+    chmod 0755 /run/munge
+    runuser -u munge -- munged --force || die "munged did not start (see /var/log/munge/munged.log)"
+}
+
+wait_idle() {
+    local t
+    for t in $(seq 1 60); do
+        # sinfo: one line per node and state; all nodes idle -> done.
+        if [[ $(sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2=="idle"' | wc -l) == "${#NODES[@]}" ]]; then
+            return 0
+        fi
+        sleep 0.5
+    done
+    sinfo -N >&2 || true
+    tail -n 20 "$DIR"/log/*.log >&2 || true
+    die "the Slurm nodes did not become idle within 30 s (logs in $DIR/log)"
+}
+
+stop_daemons() {
+    local f pid
+    # Jobs first: their processes hang off slurmstepd, not the daemons, and would outlive them.
+    if pid_alive "$DIR/run/slurmctld.pid" && [[ -f $CONF ]]; then
+        SLURM_CONF=$CONF scancel --full --quiet --state=PENDING 2>/dev/null || true
+        SLURM_CONF=$CONF scancel --full --quiet 2>/dev/null || true
+        for _ in $(seq 1 40); do
+            [[ -z $(SLURM_CONF=$CONF squeue -h -t PD,R,CG,CF,S 2>/dev/null) ]] && break
+            sleep 0.5
+        done
+    fi
+    for f in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$MUNGE_PID"; do
+        pid_alive "$f" || continue
+        pid=$(cat "$f")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
+        rm -f "$f"
+    done
+}
+
+start() {
+    [[ $(id -u) == 0 ]] || die "starting the test Slurm needs root"
+    install_slurm
+    stop_daemons   # a previous instance of this script, if any
+    rm -rf "$DIR"
+    add_hosts
+    write_config
+    export SLURM_CONF=$CONF
+    start_munge
+    slurmctld || die "slurmctld did not start (see $DIR/log/slurmctld.log)"
+    for n in "${NODES[@]}"; do
+        slurmd -N "$n" || die "slurmd -N $n did not start (see $DIR/log/slurmd-$n.log)"
+    done
+    wait_idle
+    say "up: nodes ${NODES[*]} idle; export SLURM_CONF=$CONF"
+}
+
+status() {
+    local f
+    for f in "$MUNGE_PID" "$DIR/run/slurmctld.pid" "$DIR"/run/slurmd-*.pid; do
+        if pid_alive "$f"; then echo "running  $(basename "$f" .pid) pid $(cat "$f")"; else echo "stopped  $(basename "$f" .pid)"; fi
+    done
+    [[ -f $CONF ]] && SLURM_CONF=$CONF sinfo -N 2>/dev/null || true
+}
+
+case "${1:-}" in
+    start) start ;;
+    stop) stop_daemons; say "stopped" ;;
+    status) status ;;
+    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac

