@@ -6,6 +6,7 @@ launcher (torchrun, mp.spawn, srun), choosing device and backend, cleaning up, p
 lessons.
 """
 import datetime
+import gc
 import os
 import random
 import re
@@ -152,6 +153,10 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
 
 
 def cleanup():
+    """Leave the process group. Drop your DDP model first (`del model`): a DDP wrapper that is
+    still alive when Python exits keeps gloo work objects that can abort the process at exit
+    ("terminate called without an active exception"). gc.collect() frees the cycles DDP builds."""
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -271,6 +271,7 @@ def main():
            f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1] if losses else float('nan'):.4f} "
            f"(first epoch {losses[0] if losses else float('nan'):.4f}) | restarts {trainer.restart} | "
            f"steps this attempt {steps} | time {seconds:.1f}s")
+    del trainer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
     cleanup()
 
 

@@ -277,6 +277,7 @@ def main():
            f"backend {ddp.backend} | device {ddp.device.type} | epochs {start_epoch}->{done_epoch} | "
            f"val_acc {100 * val_acc:.2f}% | replicas {'identical' if same else 'DIFFER'} | "
            f"time {time.perf_counter() - t_start:.1f}s")
+    del model, optimizer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
     cleanup()
     if not same:
         sys.exit(1)

@@ -119,3 +119,33 @@ def test_worked_example_of_gradient_averaging(tmp_path):
     (0.5 * (x @ w - t).pow(2)).mean().backward()
     assert w.grad.item() == pytest.approx(1.0) and 1 - 0.1 * w.grad.item() == pytest.approx(0.9)
     assert "w = 1 − 0.1 · 1 = 0.9" in README and "(−2 + 4) / 2 = 1" in README
+
+
+def code_part(line):
+    """A line without its trailing comment and surrounding blanks ('#' inside strings is rare in
+    the excerpts; a line that is only a comment becomes empty)."""
+    return re.sub(r"\s+#.*$|^#.*$", "", line.strip()).strip()
+
+
+EXCERPTS = [(m.group(1), m.group(2)) for m in re.finditer(r"```python (\S+)\n(.*?)```", README, re.S)]
+
+
+def test_every_code_excerpt_names_its_file():
+    untagged = re.findall(r"```python\n(.*?)```", README, re.S)
+    assert not untagged, f"a ```python block must name its file (```python FILE): {untagged[0][:200]}"
+    assert len(EXCERPTS) >= 6
+
+
+@pytest.mark.parametrize("name,body", EXCERPTS, ids=[e[0] for e in EXCERPTS])
+def test_code_excerpts_stay_in_step_with_the_files(name, body):
+    """Each code line of an excerpt (comments aside; `...` stands for omitted code) appears in the
+    file it names, so the README cannot drift from the lessons. Whitespace and line breaks are
+    folded, so an excerpt may join a statement the file wraps."""
+    source = " ".join(c for c in (code_part(l) for l in (ROOT / name).read_text().splitlines()) if c)
+    source = re.sub(r"\s+", " ", source)
+    for line in body.splitlines():
+        code = re.sub(r"\s+", " ", code_part(line))
+        if not code or code == "...":
+            continue
+        pattern = r".{0,300}?".join(re.escape(part.strip()) for part in code.split("..."))
+        assert re.search(pattern, source), f"README excerpt line not found in {name}: {line.strip()}"
