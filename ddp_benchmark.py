@@ -3,6 +3,7 @@
     python ddp_benchmark.py                                   # MNIST CNN, world sizes 1, 2, 4 ... all GPUs/cores
     python ddp_benchmark.py --model resnet50 --bucket-cap-mb 25,1,5,100 --json bench.json
     python ddp_benchmark.py --model mnist --max-procs 2 --threads 1       # CPU: the 1 -> 2 process target
+    python ddp_benchmark.py --model resnet18 --comm-hook none,fp16,bf16,powersgd --bucket-cap-mb 25,5
 
 Run it with plain `python`: it starts its own workers (mp.spawn), one group per world size
 1, 2, 4, ... up to --max-procs. Every number it prints is measured here and now; nothing is
@@ -16,7 +17,10 @@ assumed. For each world size it reports:
   `no_sync()` (the wrapper without the gradient all-reduce) and full DDP, timed in interleaved
   rounds. unwrapped = compute; no_sync - unwrapped = the wrapper's own cost; DDP - no_sync = the
   communication that backward could not hide (exposed communication). --bucket-cap-mb sweeps the
-  size of DDP's gradient buckets.
+  size of DDP's gradient buckets, and --comm-hook sweeps DDP communication hooks (fp16/bf16
+  compression, PowerSGD, from lesson 2's --comm-hook): every hook x bucket size is a variant.
+- for each DDP variant, the bytes each rank hands to all-reduce in one step (counted in a
+  separate pass, not in the timed steps) and the peak memory per rank.
 - all-reduce bandwidth over message sizes, as nccl-tests reports it: algbw = bytes / time and
   busbw = algbw x 2(n-1)/n (the traffic each link carries in a ring all-reduce, comparable
   across world sizes and against the hardware's link speed).
@@ -30,6 +34,7 @@ installed (optional). The DDP-specific lines are marked `# DDP:`.
 """
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -141,6 +146,17 @@ class Parser(argparse.ArgumentParser):
         fail(f"{message} (see python ddp_benchmark.py --help)")
 
 
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+def hook_list(text):
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in HOOKS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {','.join(HOOKS)}")
+    return list(dict.fromkeys(names))
+
+
 def float_list(text):
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -174,6 +190,14 @@ def parse_args(argv=None):
     p.add_argument("--bucket-cap-mb", type=float_list, default=[25.0],
                    help="DDP gradient bucket size(s) in MB, comma-separated, e.g. 25,1,5,100: each is "
                         "timed at every world size; the scaling table uses the first (default 25)")
+    p.add_argument("--comm-hook", type=hook_list, default=["none"],
+                   help="DDP communication hook(s), comma-separated, from none,fp16,bf16,powersgd: each "
+                        "is timed with every bucket size; the scaling table uses the first (default none)")
+    p.add_argument("--powersgd-rank", type=int, default=2,
+                   help="PowerSGD matrix approximation rank (default 2)")
+    p.add_argument("--powersgd-warmup", type=int, default=2,
+                   help="PowerSGD steps of plain all-reduce before compressing (default 2, the least "
+                        "allowed); the benchmark runs them before timing, so it times compressed steps")
     p.add_argument("--grad-as-bucket-view", action="store_true",
                    help="DDP(gradient_as_bucket_view=True): gradients live inside the all-reduce "
                         "buckets, saving the copies into and out of them (and their memory)")
@@ -206,6 +230,8 @@ def parse_args(argv=None):
     for name in ("batch_size", "image_size", "seq_len", "warmup", "steps", "allreduce_iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.powersgd_rank < 1 or args.powersgd_warmup < 2:
+        p.error("--powersgd-rank must be >= 1 and --powersgd-warmup >= 2")
     if args.max_procs < 0 or args.threads < 0:
         p.error("--max-procs and --threads must be >= 0 (0 = automatic)")
     if args.allreduce_max_mb <= 0:
@@ -279,12 +305,79 @@ def synthetic_batch(args, batch, device, seed):
 
 # ---------------------------------------------------------------- one world size (in each worker)
 
-def wrap_ddp(model, ddp, bucket_cap_mb, args):
-    """DDP: wrap a copy of the model. The one place DDP options are set (a --comm-hook option
-    would register its hook here: wrapped.register_comm_hook(state, hook))."""
+def wrap_ddp(model, ddp, bucket_cap_mb, args, hook="none", counting=False):
+    """DDP: wrap a copy of the model. The one place DDP options are set. `hook` registers a
+    communication hook (lesson 2's register_comm_hook). counting=True is for CommCounter: DDP's
+    built-in all-reduce runs in C++, out of its sight, so hook "none" then registers
+    allreduce_hook, the Python twin of the built-in (same buckets, same fp32 all-reduce)."""
+    from ddp_training import register_comm_hook  # lesson 2's --comm-hook
     on_gpu = ddp.device.type == "cuda"
-    return DDP(copy.deepcopy(model), device_ids=[ddp.device.index] if on_gpu else None,
-               bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=args.grad_as_bucket_view)
+    wrapped = DDP(copy.deepcopy(model), device_ids=[ddp.device.index] if on_gpu else None,
+                  bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=args.grad_as_bucket_view)
+    if hook == "none" and counting:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+    else:
+        register_comm_hook(wrapped, hook, args.powersgd_rank, args.powersgd_warmup)
+    return wrapped
+
+
+class CommCounter:
+    """Counts what this rank hands to torch.distributed.all_reduce while active: calls and bytes
+    (tensor.nbytes: a bf16 bucket counts 2 bytes per gradient, a PowerSGD factor only its own
+    size). It replaces dist.all_reduce for the duration, which the communication hooks call;
+    a hook's later all-reduces (PowerSGD's, chained in futures) are counted too, as long as the
+    step finishes inside the `with`."""
+
+    def __init__(self):
+        self.bytes, self.calls = 0, 0
+
+    def __enter__(self):
+        self._all_reduce = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            self.bytes += tensor.nbytes
+            self.calls += 1
+            return self._all_reduce(tensor, *args, **kwargs)
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._all_reduce
+
+
+def variant_name(cap, hook):
+    return f"ddp {cap:g}" + ("" if hook == "none" else f" {hook}")
+
+
+def measure_variant(base, batch, args, ddp, cap, hook):
+    """A separate, untimed pass over one DDP variant (its own copy): the bytes all-reduced in one
+    step (after warm-up: DDP rebuilds its buckets after step 1, PowerSGD compresses only after
+    its warm-up) and, on GPU, the variant's own peak memory (everything it allocates, from the
+    model copy to activations, gradients, buckets, optimizer and hook state)."""
+    on_gpu = ddp.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(ddp.device)
+        torch.cuda.reset_peak_memory_stats(ddp.device)
+    model = wrap_ddp(base, ddp, cap, args, hook, counting=True)
+    step = make_step(model, batch, args, ddp)
+    for _ in range(args.powersgd_warmup if hook == "powersgd" else 1):
+        step()
+    with CommCounter() as counter:
+        step()
+    peak = None
+    if on_gpu:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(ddp.device) - before
+    del model, step
+    return counter.bytes, peak
+
+
+def peak_rss():
+    """This process's peak resident memory in bytes (Linux reports KiB)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def make_step(model, batch, args, ddp, sync=True):
@@ -369,28 +462,49 @@ def worker(rank, world_size, args, threads, out_path):
     """One rank of one world size: time every variant, rank 0 writes the raw times to out_path."""
     ddp = setup(args.backend, rank=rank, world_size=world_size)  # DDP: join this point's group
     try:
-        if ddp.device.type == "cpu":
-            torch.set_num_threads(threads)
-        else:
-            torch.backends.cudnn.benchmark = True
-        set_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
-        per_rank = args.batch_size // world_size if args.strong else args.batch_size
-        batch = synthetic_batch(args, per_rank, ddp.device, args.seed + rank)  # own data per rank
-        base = build_model(args).to(ddp.device)
-        variants = {"unwrapped": make_step(copy.deepcopy(base), batch, args, ddp),
-                    "no_sync": make_step(wrap_ddp(base, ddp, args.bucket_cap_mb[0], args), batch,
-                                         args, ddp, sync=False)}
-        for cap in args.bucket_cap_mb:
-            variants[f"ddp {cap:g}"] = make_step(wrap_ddp(base, ddp, cap, args), batch, args, ddp)
-        times = time_variants(variants, args, ddp)
-        allreduce = time_allreduce(args, ddp) if world_size > 1 else []
-        if ddp.is_main:
-            with open(out_path, "w") as f:
-                json.dump({"times": times, "allreduce": allreduce, "batch_per_rank": per_rank,
-                           "threads": torch.get_num_threads(),
-                           "params": sum(p.numel() for p in base.parameters())}, f)
+        measure_point(ddp, world_size, args, threads, out_path)
     finally:
+        # DDP: free the DDP wrappers (they sit in reference cycles, hence gc) before the process
+        # group; one destroyed after it was seen to abort the process at exit ("terminate called
+        # without an active exception") with a communication hook registered.
+        gc.collect()
         cleanup()
+
+
+def measure_point(ddp, world_size, args, threads, out_path):
+    """Time every variant of one world size on this rank; rank 0 writes the raw results."""
+    if ddp.device.type == "cpu":
+        torch.set_num_threads(threads)
+    else:
+        torch.backends.cudnn.benchmark = True
+    set_seed(args.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+    per_rank = args.batch_size // world_size if args.strong else args.batch_size
+    batch = synthetic_batch(args, per_rank, ddp.device, args.seed + ddp.rank)  # own data per rank
+    base = build_model(args).to(ddp.device)
+    comm = {}  # variant -> (bytes all-reduced per step, GPU peak memory of the variant)
+    for hook in args.comm_hook:
+        for cap in args.bucket_cap_mb:
+            nbytes, peak = measure_variant(base, batch, args, ddp, cap, hook)
+            peak = max(slowest_rank([peak], ddp)) if peak is not None else None  # worst rank
+            comm[variant_name(cap, hook)] = (nbytes, peak)
+    variants = {"unwrapped": make_step(copy.deepcopy(base), batch, args, ddp),
+                "no_sync": make_step(wrap_ddp(base, ddp, args.bucket_cap_mb[0], args), batch,
+                                     args, ddp, sync=False)}
+    for hook in args.comm_hook:
+        for cap in args.bucket_cap_mb:
+            step = make_step(wrap_ddp(base, ddp, cap, args, hook), batch, args, ddp)
+            for _ in range(args.powersgd_warmup if hook == "powersgd" else 0):
+                step()  # PowerSGD's plain all-reduce warm-up: time the compressed steps
+            variants[variant_name(cap, hook)] = step
+    times = time_variants(variants, args, ddp)
+    allreduce = time_allreduce(args, ddp) if world_size > 1 else []
+    rss = max(slowest_rank([peak_rss()], ddp))  # CPU: the largest rank's peak RSS, whole point
+    if ddp.is_main:
+        with open(out_path, "w") as f:
+            json.dump({"times": times, "allreduce": allreduce, "batch_per_rank": per_rank,
+                       "comm": comm, "peak_rss": rss,
+                       "threads": torch.get_num_threads(),
+                       "params": sum(p.numel() for p in base.parameters())}, f)
 
 
 def run_point(args, world_size, threads):
@@ -436,7 +550,7 @@ def describe_machine(device, backend, cores):
 
 def build_records(args, machine, points):
     """Raw per-point times -> the scaling, breakdown and all-reduce records (plain dicts)."""
-    first = f"ddp {args.bucket_cap_mb[0]:g}"
+    first = variant_name(args.bucket_cap_mb[0], args.comm_hook[0])
     scaling, breakdown, allreduce = [], [], []
     for n, raw in points.items():
         tag = {"machine": machine["name"], "torch": machine["torch"], "backend": machine["backend"],
@@ -448,17 +562,26 @@ def build_records(args, machine, points):
         s = stats[first]
         scaling.append({**tag, "model": args.model, "params": raw["params"],
                         "batch_per_rank": raw["batch_per_rank"], "global_batch": global_batch,
-                        "bucket_cap_mb": args.bucket_cap_mb[0], **s,
+                        "bucket_cap_mb": args.bucket_cap_mb[0], "comm_hook": args.comm_hook[0], **s,
                         "samples_per_s_per_rank": s["samples_per_s"] / n})
         compute, wrapper = stats["unwrapped"]["step_ms_p50"], stats["no_sync"]["step_ms_p50"]
         breakdown.append({**tag, "variant": "unwrapped", **stats["unwrapped"]})
         breakdown.append({**tag, "variant": "ddp_no_sync", **stats["no_sync"],
                           "wrapper_ms": wrapper - compute})
-        for cap in args.bucket_cap_mb:
-            d = stats[f"ddp {cap:g}"]
-            breakdown.append({**tag, "variant": "ddp", "bucket_cap_mb": cap, **d,
-                              "exposed_comm_ms": d["step_ms_p50"] - wrapper,
-                              "overhead_pct": 100 * (d["step_ms_p50"] - compute) / compute})
+        for hook in args.comm_hook:
+            for cap in args.bucket_cap_mb:
+                name = variant_name(cap, hook)
+                d = stats[name]
+                nbytes, gpu_peak = raw["comm"][name]
+                # Memory: on GPU this variant's own peak (measured alone); on CPU the rank's
+                # peak RSS over the whole point (all variants at once: no per-variant figure).
+                mem = ({"peak_mem_mib": gpu_peak / 2**20, "peak_mem_kind": "cuda max allocated, this variant"}
+                       if gpu_peak is not None else
+                       {"peak_mem_mib": raw["peak_rss"] / 2**20, "peak_mem_kind": "process peak RSS, all variants"})
+                breakdown.append({**tag, "variant": "ddp", "bucket_cap_mb": cap, "comm_hook": hook, **d,
+                                  "exposed_comm_ms": d["step_ms_p50"] - wrapper,
+                                  "overhead_pct": 100 * (d["step_ms_p50"] - compute) / compute,
+                                  "comm_bytes_per_step": nbytes, **mem})
         for nbytes, seconds in raw["allreduce"]:
             alg = algbw(nbytes, seconds)
             allreduce.append({**tag, "bytes": nbytes, "time_us": 1e6 * seconds,
@@ -497,9 +620,14 @@ def print_tables(args, machine, scaling, breakdown, allreduce):
                  "ddp": f"exposed comm {r.get('exposed_comm_ms', 0):+.2f} ms | "
                         f"vs unwrapped {r.get('overhead_pct', 0):+.1f}%"}.get(r["variant"], "")
         rows.append([r["world_size"], r["variant"], f"{r['bucket_cap_mb']:g}" if "bucket_cap_mb" in r else "-",
-                     f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p90']:.2f}", f"{r['samples_per_s']:.1f}",
-                     extra])
-    print(table(["world", "variant", "bucket MB", "p50 ms", "p90 ms", "samples/s", ""], rows))
+                     r.get("comm_hook", "-"), f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p90']:.2f}",
+                     f"{r['samples_per_s']:.1f}",
+                     human_bytes(r["comm_bytes_per_step"]) if "comm_bytes_per_step" in r else "-",
+                     f"{r['peak_mem_mib']:.0f}" if "peak_mem_mib" in r else "-", extra])
+    print(table(["world", "variant", "bucket MB", "hook", "p50 ms", "p90 ms", "samples/s",
+                 "comm/step", "peak MiB", ""], rows))
+    kinds = sorted({r["peak_mem_kind"] for r in breakdown if "peak_mem_kind" in r})
+    print(f"comm/step: bytes each rank hands to all-reduce in one step | peak MiB: {'; '.join(kinds)}")
     if allreduce:
         print(f"\nall-reduce bandwidth ({machine['backend']}, float32 sum; busbw = algbw x 2(n-1)/n)")
         print(table(["world", "bytes", "time us", "algbw GB/s", "busbw GB/s"],
@@ -566,7 +694,8 @@ def write_plot(path, scaling, breakdown, allreduce):
     axes[0].plot(ns, [n * scaling[0]["samples_per_s"] for n in ns], "k--", label="linear")
     axes[0].set(xlabel="world size", ylabel="samples/s (global)", title="throughput", xticks=ns)
     axes[0].legend()
-    first = [r for r in breakdown if r["variant"] == "ddp" and r["bucket_cap_mb"] == scaling[0]["bucket_cap_mb"]]
+    first = [r for r in breakdown if r["variant"] == "ddp" and r["bucket_cap_mb"] == scaling[0]["bucket_cap_mb"]
+             and r["comm_hook"] == scaling[0]["comm_hook"]]
     compute = [r["step_ms_p50"] for r in breakdown if r["variant"] == "unwrapped"]
     wrapper = [max(0, r["wrapper_ms"]) for r in breakdown if r["variant"] == "ddp_no_sync"]
     comm = [max(0, r["exposed_comm_ms"]) for r in first]
@@ -618,7 +747,8 @@ def main(argv=None):
     print(f"start: model {args.model} | world sizes {','.join(map(str, sizes))} | "
           f"{'strong' if args.strong else 'weak'} scaling | batch {args.batch_size}"
           f"{' global' if args.strong else '/rank'} | warmup {args.warmup} | steps {args.steps} | "
-          f"bucket MB {','.join(f'{c:g}' for c in args.bucket_cap_mb)} | backend {args.backend} | "
+          f"bucket MB {','.join(f'{c:g}' for c in args.bucket_cap_mb)} | "
+          f"hooks {','.join(args.comm_hook)} | backend {args.backend} | "
           f"{machine['name']} | torch {machine['torch']}", flush=True)
 
     points = {}

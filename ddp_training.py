@@ -10,6 +10,10 @@ GradScaler), optional `torch.compile`, atomic checkpoints that resume exactly (m
 included), best-k checkpoints by validation accuracy, early stopping, exact sharded evaluation,
 a parameter-sync check and a profiler trace. The DDP-specific lines are marked `# DDP:`.
 
+Advanced knobs for when communication or memory is the bottleneck: `--sync-bn` (SyncBatchNorm),
+`--comm-hook fp16|bf16|powersgd` (DDP communication hooks) and `--zero` (ZeroRedundancyOptimizer,
+optimizer state sharded over the ranks); `ddp_benchmark.py --comm-hook ...` measures them.
+
 Copy it and swap in your own model (`build_model`) and data (`get_data`). The rest is the part
 that is easy to get subtly wrong.
 """
@@ -45,9 +49,10 @@ def parse_args(argv=None):
         description="Lesson 2: the production DDP template (CIFAR-10, ResNet-18). "
                     "Launch with: torchrun --standalone --nproc_per_node=N ddp_training.py")
     a = p.add_argument
-    a("--model", default="resnet18", choices=["resnet18", "cnn"],
+    a("--model", default="resnet18", choices=["resnet18", "cnn", "cnn-bn"],
       help="resnet18: torchvision ResNet-18, random init, CIFAR stem (default); "
-           "cnn: a small CNN (~0.03 M parameters) that trains in seconds on a CPU")
+           "cnn: a small CNN (~0.03 M parameters) that trains in seconds on a CPU; "
+           "cnn-bn: the same CNN with BatchNorm after each convolution (for --sync-bn)")
     a("--data", default="auto", choices=["auto", "cifar10", "synthetic"],
       help="cifar10: the real set (downloaded into --data-dir if missing, error if it cannot be); "
            "synthetic: generated CIFAR-shaped images of 10 learnable classes, no download; "
@@ -71,7 +76,7 @@ def parse_args(argv=None):
       help="sgd: SGD with momentum (default); adamw: AdamW")
     a("--lr", type=float, default=None,
       help="learning rate for ONE process's batch; multiplied by the world size unless "
-           "--no-lr-scaling (default: sgd 0.1 for resnet18, 0.02 for cnn; adamw 1e-3)")
+           "--no-lr-scaling (default: sgd 0.1 for resnet18, 0.02 for cnn and cnn-bn; adamw 1e-3)")
     a("--no-lr-scaling", action="store_true",
       help="use --lr as given instead of lr x world size (the linear scaling rule)")
     a("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
@@ -95,6 +100,23 @@ def parse_args(argv=None):
            "traversal every step; only for models with conditional branches)")
     a("--gradient-as-bucket-view", action="store_true",
       help="let .grad tensors alias DDP's communication buckets (saves one gradient copy of memory)")
+    # Advanced knobs (README: "When communication or memory is the bottleneck").
+    a("--sync-bn", action="store_true",
+      help="convert BatchNorm layers to SyncBatchNorm before wrapping: batch statistics over the "
+           "GLOBAL batch instead of each rank's own (for small per-GPU batches; one extra "
+           "all-reduce per BN layer in every forward)")
+    a("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"],
+      help="DDP communication hook: none = all-reduce fp32 gradients (default); fp16 / bf16 = "
+           "cast each bucket to 16 bits before the all-reduce (half the bytes); powersgd = "
+           "low-rank gradient compression with error feedback (far fewer bytes, approximate)")
+    a("--powersgd-rank", type=int, default=2,
+      help="PowerSGD matrix approximation rank (default 2; higher = more accurate, more bytes)")
+    a("--powersgd-warmup", type=int, default=100,
+      help="PowerSGD: optimizer steps of plain all-reduce before compression starts (default "
+           "100; at least 2)")
+    a("--zero", action="store_true",
+      help="ZeroRedundancyOptimizer (ZeRO stage 1): each rank keeps the optimizer state of only "
+           "1/world_size of the parameters and broadcasts its updated shard after each step")
     a("--seed", type=int, default=0, help="seed for init, data order, augmentation, synthetic data")
     a("--workers", type=int, default=None,
       help="DataLoader worker processes per rank (default: 4 on GPU, 0 on CPU)")
@@ -131,6 +153,12 @@ def parse_args(argv=None):
         p.error("--workers must not be negative")
     if args.bucket_cap_mb <= 0:
         p.error("--bucket-cap-mb must be > 0")
+    if args.powersgd_rank < 1:
+        p.error("--powersgd-rank must be at least 1")
+    if args.powersgd_warmup < 2:  # PowerSGDState refuses fewer: DDP rebuilds its buckets after step 1
+        p.error("--powersgd-warmup must be at least 2")
+    if args.sync_bn and args.model == "cnn":
+        p.error("--sync-bn needs a model with BatchNorm layers: --model cnn-bn or resnet18 (cnn has none)")
     if args.lr is None:
         # BatchNorm lets ResNet take a large SGD step; the plain CNN diverges at 0.1 x world size.
         args.lr = 1e-3 if args.optimizer == "adamw" else 0.1 if args.model == "resnet18" else 0.02
@@ -143,25 +171,29 @@ def parse_args(argv=None):
 # Model
 # ----------------------------------------------------------------------------------------------
 class SmallCNN(nn.Module):
-    """32x32 RGB image -> 10 class scores (~0.03 M parameters, no BatchNorm)."""
+    """32x32 RGB image -> 10 class scores (~0.03 M parameters). No BatchNorm, unless bn=True
+    (`--model cnn-bn`): then a BatchNorm2d follows each convolution."""
 
-    def __init__(self):
+    def __init__(self, bn=False):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.conv3 = nn.Conv2d(32, 64, 3, padding=1)
+        # (a bias before BatchNorm is wasted: BN subtracts the mean, bias included, so none then)
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=not bn)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1, bias=not bn)
+        self.conv3 = nn.Conv2d(32, 64, 3, padding=1, bias=not bn)
+        norm = nn.BatchNorm2d if bn else lambda _: nn.Identity()
+        self.bn1, self.bn2, self.bn3 = norm(16), norm(32), norm(64)
         self.fc = nn.Linear(64 * 4 * 4, 10)
 
     def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv3(x)), 2)
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn3(self.conv3(x))), 2)
         return self.fc(x.flatten(1))
 
 
 def build_model(name):
-    if name == "cnn":
-        return SmallCNN()
+    if name in ("cnn", "cnn-bn"):
+        return SmallCNN(bn=name == "cnn-bn")
     from torchvision.models import resnet18
     model = resnet18(weights=None, num_classes=10)
     # The ImageNet stem (7x7 stride-2 conv + max-pool) shrinks a 32x32 image to 8x8 before the
@@ -171,21 +203,140 @@ def build_model(name):
     return model
 
 
+class AllReduceSum(torch.autograd.Function):
+    """Differentiable all-reduce (sum): y = sum over ranks of x. Every rank's loss depends on every
+    rank's x through y, so the gradient of x is the sum over ranks of the gradients of y."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """SyncBatchNorm for CPU ranks. PyTorch's nn.SyncBatchNorm runs on GPUs only (on a CPU tensor
+    it raises "SyncBatchNorm expected input tensor to be on GPU"), so on CPU `--sync-bn` uses this
+    stand-in: the same computation, written with the differentiable all-reduce above. It takes
+    two all-reduces per layer (sums, then squared deviations from the global mean: exact and
+    stable) where nn.SyncBatchNorm takes one; fine for the CPU runs of this course. Same
+    parameters and buffers as BatchNorm2d, so checkpoints move freely between the two."""
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, x):
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)  # eval, or one process: plain BatchNorm
+        dims = [0] + list(range(2, x.dim()))  # every dim but the channels
+        xf = x.float()
+        count = torch.tensor([xf.numel() // xf.shape[1]], dtype=xf.dtype, device=xf.device)
+        sums = AllReduceSum.apply(torch.cat([xf.sum(dims), count]))  # DDP: sum over all ranks' samples
+        n = sums[-1]
+        mean = sums[:-1] / n
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        centred = xf - mean.view(shape)
+        var = AllReduceSum.apply(centred.pow(2).sum(dims)) / n  # DDP: biased variance of the global batch
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            with torch.no_grad():  # running variance is unbiased, over the global count
+                self.running_mean.lerp_(mean.detach(), momentum)
+                self.running_var.lerp_(var.detach() * n / (n - 1).clamp(min=1), momentum)
+        y = centred * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y.to(x.dtype)
+
+
+def convert_sync_bn(model, device):
+    """DDP: every BatchNorm layer -> SyncBatchNorm (nn.SyncBatchNorm on GPUs, the CPU stand-in
+    above otherwise). Do it BEFORE wrapping in DDP, so DDP registers the converted layers."""
+    if device.type != "cpu":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def convert(module):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
+            new = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                    module.track_running_stats).to(device)
+            new.load_state_dict(module.state_dict())
+            return new
+        for name, child in module.named_children():
+            setattr(module, name, convert(child))
+        return module
+    return convert(model)
+
+
+def register_comm_hook(ddp_model, name, powersgd_rank=2, powersgd_warmup=100):
+    """DDP: replace DDP's built-in fp32 all-reduce of each gradient bucket by a communication
+    hook. Returns the hook's state (PowerSGD keeps its error feedback there), or None."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    if name == "none":
+        return None
+    if name in ("fp16", "bf16"):  # cast the bucket to 16 bits, all-reduce, cast back
+        hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
+        ddp_model.register_comm_hook(None, hook)  # state None = the default process group
+        return None
+    # PowerSGD: each gradient matrix M (n x m) is sent as two rank-r factors P (n x r), Q (m x r);
+    # what the approximation misses is kept per rank (error feedback) and added to the next
+    # step's gradient. Plain all-reduce for the first `powersgd_warmup` steps.
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                        start_powerSGD_iter=powersgd_warmup)
+    hook = powerSGD_hook.powerSGD_hook
+    if dist.get_backend() == "gloo":
+        # The hook chains three all-reduces per bucket through future callbacks. On gloo those
+        # callbacks run on gloo's worker threads, so with 2+ buckets two ranks can issue their
+        # collectives in a different order, and gloo aborts ("gloo::EnforceNotMet") or hangs.
+        # Finish each bucket before DDP hands over the next: correct, with less overlap.
+        def hook(state, bucket, _powersgd=powerSGD_hook.powerSGD_hook):
+            fut = _powersgd(state, bucket)
+            fut.wait()
+            return fut
+    ddp_model.register_comm_hook(state, hook)
+    return state
+
+
 def wrap_model(model, args, ddp):
     """DDP: wrap the model; during backward its gradients are all-reduced (averaged) in buckets
     of --bucket-cap-mb, overlapping communication with the rest of the backward."""
-    return DDP(model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None,
-               bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
-               find_unused_parameters=args.find_unused_parameters,
-               gradient_as_bucket_view=args.gradient_as_bucket_view)
+    if args.sync_bn:
+        model = convert_sync_bn(model, ddp.device)
+    ddp_model = DDP(model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None,
+                    bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
+                    find_unused_parameters=args.find_unused_parameters,
+                    gradient_as_bucket_view=args.gradient_as_bucket_view)
+    register_comm_hook(ddp_model, args.comm_hook, args.powersgd_rank, args.powersgd_warmup)
+    return ddp_model
 
 
 def build_optimizer(model, args, lr, device):
     fused = device.type == "cuda"  # one kernel for the whole update on GPU
     if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                               weight_decay=args.weight_decay, fused=fused)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=fused)
+        cls, kwargs = torch.optim.SGD, dict(momentum=args.momentum)
+    else:
+        cls, kwargs = torch.optim.AdamW, {}
+    kwargs.update(lr=lr, weight_decay=args.weight_decay, fused=fused)
+    if args.zero:
+        # DDP: ZeRO-1. Each rank builds `cls` over its own shard of the parameters (~1/world of the
+        # state: momentum, Adam's two moments), updates only that shard in step(), then broadcasts
+        # it so every rank again holds all the weights. Gradients are still all-reduced in full.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
+    return cls(model.parameters(), **kwargs)
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of optimizer state (momentum, moments, step counts) held by THIS rank; with ZeRO
+    that is the local optimizer over this rank's shard."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
+    return sum(t.nbytes for s in local.state.values() for t in s.values() if torch.is_tensor(t))
 
 
 def build_scheduler(optimizer, warmup_steps, total_steps):
@@ -517,8 +668,15 @@ def main(argv=None):
         """Every rank calls this: the RNG states are gathered from all ranks, rank 0 writes."""
         rngs = [None] * ddp.world_size
         dist.all_gather_object(rngs, rng_state(ddp.device))  # DDP: collect every rank's RNG
+        if args.zero:
+            # DDP: ZeRO's state is spread over the ranks. consolidate_state_dict is a collective
+            # (every rank must call it); afterwards rank 0 alone can build the full state_dict,
+            # in the same format as the unsharded optimizer's. Resume loads it on every rank and
+            # each keeps its own shard.
+            optimizer.consolidate_state_dict(to=0)
+        opt_state = optimizer.state_dict() if ddp.is_main or not args.zero else None
         save_checkpoint({"model": ddp_model.module.state_dict(),  # DDP: the bare model's weights
-                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                         "optimizer": opt_state, "scheduler": scheduler.state_dict(),
                          "scaler": scaler.state_dict(), "rng": rngs, "world_size": ddp.world_size,
                          "args": vars(args), **state},
                         os.path.join(args.checkpoint_dir, filename))
@@ -527,7 +685,9 @@ def main(argv=None):
            f"| test {len(test_set)} | world {ddp.world_size} | backend {ddp.backend} | device "
            f"{ddp.device.type} | amp {amp} | batch {args.batch_size}/rank x {args.accum_steps} accum, "
            f"{args.batch_size * args.accum_steps * ddp.world_size} global | lr {world_lr:g} | "
-           f"steps {state['step']}->{run_steps} of {total_steps}")
+           f"steps {state['step']}->{run_steps} of {total_steps}"
+           + (" | sync_bn" if args.sync_bn else "") + (" | zero" if args.zero else "")
+           + (f" | comm_hook {args.comm_hook}" if args.comm_hook != "none" else ""))
 
     prof = make_profiler(args, ddp) if args.profile and ddp.is_main else None
     if prof:
@@ -622,18 +782,20 @@ def main(argv=None):
         _, val_acc, _, _ = evaluate(ddp_model.module, val_set, ddp, args.batch_size, mean, std, amp_dtype)
     test_loss, test_acc, correct, count = evaluate(ddp_model.module, test_set, ddp, args.batch_size,
                                                    mean, std, amp_dtype)
+    opt_bytes = optimizer_state_bytes(optimizer)  # this rank's; with --zero ~1/world of the total
     print0(f"done: data {dataset} | model {args.model} | world {ddp.world_size} | backend "
            f"{ddp.backend} | device {ddp.device.type} | epochs {state['epoch']} | steps {state['step']} "
            f"| loss {train_loss:.4f} | val_acc {100 * val_acc:.2f}% | best_val_acc "
            f"{100 * max(state['best_acc'], 0):.2f}% | test_acc {100 * test_acc:.2f}% ({correct}/{count}) "
-           f"| time {time.perf_counter() - t_start:.1f}s")
+           f"| opt_state {opt_bytes / 2**20:.3f} MiB/rank | time {time.perf_counter() - t_start:.1f}s")
     # DDP: free the DDP wrapper (it sits in a reference cycle, hence gc) before the process group:
     # a DDP that never ran a backward (a resumed run with nothing left to do) was seen to abort
     # the process at exit ("terminate called without an active exception") on gloo otherwise.
     del forward, ddp_model
     gc.collect()
     cleanup()
-    return {**state, "dataset": dataset, "loss": train_loss, "val_acc": val_acc, "test_acc": test_acc}
+    return {**state, "dataset": dataset, "loss": train_loss, "val_acc": val_acc, "test_acc": test_acc,
+            "opt_state_bytes": opt_bytes}
 
 
 if __name__ == "__main__":

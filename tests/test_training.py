@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+import ddp_common
+
 from conftest import (ROOT, assert_ok, cpu_env, error_lines, free_port, init_spawned, run,
                       run_torchrun, spawn, torchrun_cmd)
 
@@ -222,7 +224,8 @@ def _units_worker(rank, world, port, out):
             model.conv2.weight[3, 1, 0, 0] += 1e-3
     results["desync"] = T.verify_sync(model)
     torch.save(results, os.path.join(out, f"units{rank}.pt"))
-    dist.destroy_process_group()
+    del ddp_model, opt  # a DDP wrapper alive at exit can abort gloo: free it first
+    ddp_common.cleanup()
 
 
 @pytest.fixture(scope="module")
