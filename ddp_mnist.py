@@ -95,30 +95,36 @@ def synthetic_mnist(seed, n_train=60000, n_test=10000):
     return make(n_train), make(n_test)
 
 
+def try_mnist(data_dir, download):
+    """(train, test) and no problem, or (None, one-line reason)."""
+    try:
+        return load_mnist(data_dir, download), ""
+    except Exception as e:  # offline, proxy, disk full, missing or torn files ...
+        return None, f"{data_dir}: {' '.join(str(e).split())[:150] or type(e).__name__}"
+
+
 def get_data(args, ddp):
-    """Rank 0 alone downloads (N ranks downloading into one folder corrupt it); the others wait at
-    the barrier, then everyone loads the files from disk. Rank 0's choice is broadcast so every
-    rank trains on the same dataset."""
-    choice = [args.data]
-    if ddp.is_main and args.data != "synthetic":
-        try:
-            load_mnist(args.data_dir, download=True)
-            choice = ["mnist"]
-        except Exception as e:  # offline, proxy, disk full ...
-            reason = " ".join(str(e).split())[:150] or type(e).__name__
-            if args.data == "mnist":
-                choice = [f"error:{reason}"]
-            else:
-                print0(f"warning: MNIST is not in {args.data_dir}/MNIST/raw and could not be "
-                       f"downloaded ({reason}); using synthetic MNIST-shaped data instead")
-                choice = ["synthetic"]
-    dist.broadcast_object_list(choice, src=0)  # DDP: all ranks agree on the dataset
-    if choice[0].startswith("error:"):
-        fail(f"MNIST is not in {args.data_dir}/MNIST/raw and could not be downloaded "
-             f"({choice[0][6:]}). Copy the four IDX files there, or use --data synthetic",
+    """Every rank must train on the same dataset, and each node may have its own disk. So local
+    rank 0 of every node downloads if needed (N ranks writing one folder corrupt it), the node's
+    other ranks wait, then load from disk; the ranks share what they found and decide together."""
+    if args.data == "synthetic":
+        return "synthetic", *synthetic_mnist(args.seed)
+    if ddp.local_rank == 0:  # DDP: one download per node, not per job: disks may be local
+        data, problem = try_mnist(args.data_dir, download=True)
+    dist.barrier()  # DDP: the node's other ranks wait until its files are there
+    if ddp.local_rank != 0:
+        data, problem = try_mnist(args.data_dir, download=False)
+    problems = [None] * ddp.world_size
+    dist.all_gather_object(problems, problem)  # DDP: every rank learns what every other found
+    missing = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+    if not missing:
+        return "mnist", *data
+    where = (f"MNIST is not in --data-dir/MNIST/raw and could not be downloaded on "
+             f"{len(missing)} of {ddp.world_size} ranks ({'; '.join(missing)[:400]})")
+    if args.data == "mnist":
+        fail(f"{where}. Put the four IDX files in --data-dir on every node, or use --data synthetic",
              code=1, rank0_only=True)
-    if choice[0] == "mnist":
-        return "mnist", *load_mnist(args.data_dir, download=False)
+    print0(f"warning: {where}; every rank uses synthetic MNIST-shaped data instead")
     return "synthetic", *synthetic_mnist(args.seed)
 
 
@@ -126,15 +132,18 @@ def get_data(args, ddp):
 def evaluate(model, test_set, ddp, batch_size):
     """Exact test accuracy across ranks. DistributedSampler would pad the shards with repeated
     samples to make them equal; here rank r takes samples r, r+W, r+2W, ... (no padding, no
-    sample twice) and the sums are all-reduced, so the total count is exactly len(test_set)."""
+    sample twice) and the sums are all-reduced, so the total count is exactly len(test_set).
+    Pass the bare model (model.module): the shards may differ by a batch, and a forward through
+    the DDP wrapper can start a collective (a buffer broadcast) that the other ranks never join."""
     model.eval()
     shard = Subset(test_set, range(ddp.rank, len(test_set), ddp.world_size))
-    totals = torch.zeros(3, device=ddp.device)  # loss sum, correct, count
+    loss_sum, correct = torch.zeros((), device=ddp.device), torch.zeros((), device=ddp.device)
     for x, y in DataLoader(shard, batch_size=4 * batch_size):
         x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
         logits = model(x)
-        totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
-                               (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=ddp.device)])
+        loss_sum += F.cross_entropy(logits, y, reduction="sum")  # sums stay on the device
+        correct += (logits.argmax(1) == y).sum()
+    totals = torch.stack([loss_sum, correct, torch.tensor(float(len(shard)), device=ddp.device)])
     dist.all_reduce(totals)  # DDP: sum the shards' counts
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -192,7 +201,8 @@ def train(args, ddp):
                 t_log, loss_sum = now, torch.zeros((), device=ddp.device)
             if step == total_steps:
                 break
-        val_loss, val_acc, correct, count = evaluate(model, test_set, ddp, args.batch_size)
+        # DDP: evaluate the bare model: every rank holds the same weights, no wrapper needed.
+        val_loss, val_acc, correct, count = evaluate(model.module, test_set, ddp, args.batch_size)
         print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
                f"val_acc {100 * val_acc:.2f}% ({correct}/{count})")
         # DDP: save model.module (the bare model, no 'module.' prefix); rank 0 writes atomically.

@@ -1,21 +1,10 @@
-"""Lesson 2: the production template. Everything a real DDP training job needs, in one file.
+"""Lesson 2: the production template. What a real DDP training job needs, in one file.
 
-    torchrun --standalone --nproc_per_node=4 ddp_training.py                     # CIFAR-10, ResNet-18
-    torchrun --standalone --nproc_per_node=2 ddp_training.py --model cnn --amp off  # on a CPU
+    torchrun --standalone --nproc_per_node=4 ddp_training.py   # CIFAR-10, ResNet-18 (CPU: --model cnn)
 
-CIFAR-10 with a torchvision ResNet-18 (or `--model cnn`, a small CNN that trains on a CPU),
-trained with plain DistributedDataParallel: linear LR scaling, warm-up + cosine schedule,
-gradient accumulation with `no_sync`, clipping, mixed precision (bf16, or fp16 with a
-GradScaler), optional `torch.compile`, atomic checkpoints that resume exactly (mid-epoch
-included), best-k checkpoints by validation accuracy, early stopping, exact sharded evaluation,
-a parameter-sync check and a profiler trace. The DDP-specific lines are marked `# DDP:`.
-
-Advanced knobs for when communication or memory is the bottleneck: `--sync-bn` (SyncBatchNorm),
-`--comm-hook fp16|bf16|powersgd` (DDP communication hooks) and `--zero` (ZeroRedundancyOptimizer,
-optimizer state sharded over the ranks); `ddp_benchmark.py --comm-hook ...` measures them.
-
-Copy it and swap in your own model (`build_model`) and data (`get_data`). The rest is the part
-that is easy to get subtly wrong.
+DDP with LR scaling, warm-up + cosine, no_sync accumulation, clipping, bf16 / fp16 + GradScaler,
+compile, exact resume, best-k checkpoints, early stopping, exact evaluation, a weight-sync check and
+a profiler trace; DDP lines are marked `# DDP:`. To adapt it, replace build_model and load_data.
 """
 import argparse
 import contextlib
@@ -24,9 +13,8 @@ import gc
 import math
 import os
 import pickle
-import random
-import resource
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -34,461 +22,143 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Sampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, set_seed, setup
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10 channel statistics
-CIFAR_DIR = "cifar-10-batches-py"
-CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR_DIR, CIFAR_FILES = "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Lesson 2: the production DDP template (CIFAR-10, ResNet-18). "
-                    "Launch with: torchrun --standalone --nproc_per_node=N ddp_training.py")
+    p = argparse.ArgumentParser(description="Lesson 2: the production DDP template (launch with torchrun)")
     a = p.add_argument
-    a("--model", default="resnet18", choices=["resnet18", "cnn", "cnn-bn"],
-      help="resnet18: torchvision ResNet-18, random init, CIFAR stem (default); "
-           "cnn: a small CNN (~0.03 M parameters) that trains in seconds on a CPU; "
-           "cnn-bn: the same CNN with BatchNorm after each convolution (for --sync-bn)")
-    a("--data", default="auto", choices=["auto", "cifar10", "synthetic"],
-      help="cifar10: the real set (downloaded into --data-dir if missing, error if it cannot be); "
-           "synthetic: generated CIFAR-shaped images of 10 learnable classes, no download; "
-           "auto: cifar10, or synthetic with a warning when it cannot be had (default)")
-    a("--data-dir", default="./data", help="where cifar-10-batches-py/ lives (default ./data)")
-    a("--subset", type=int, default=0,
-      help="use only the first N training and N/5 test samples (0 = all); for quick checks")
-    a("--val-fraction", type=float, default=0.1,
-      help="share of the training set held out for validation, best-k and early stopping "
-           "(default 0.1; 0 = validate on the test set)")
-    a("--epochs", type=int, default=30, help="passes over the training set (default 30)")
-    a("--max-steps", type=int, default=0,
-      help="stop after this many optimizer steps in all (0 = no cap); the LR schedule still "
-           "spans --epochs, so a capped run can be resumed and continue exactly")
-    a("--batch-size", type=int, default=128,
-      help="samples per micro-step PER RANK; global batch = this x accum-steps x world size "
-           "(default 128)")
-    a("--accum-steps", type=int, default=1,
-      help="micro-steps per optimizer step (gradient accumulation, default 1)")
-    a("--optimizer", default="sgd", choices=["sgd", "adamw"],
-      help="sgd: SGD with momentum (default); adamw: AdamW")
-    a("--lr", type=float, default=None,
-      help="learning rate for ONE process's batch; multiplied by the world size unless "
-           "--no-lr-scaling (default: sgd 0.1 for resnet18, 0.02 for cnn and cnn-bn; adamw 1e-3)")
-    a("--no-lr-scaling", action="store_true",
-      help="use --lr as given instead of lr x world size (the linear scaling rule)")
-    a("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    a("--weight-decay", type=float, default=None,
-      help="weight decay (default 5e-4 for sgd, 0.05 for adamw)")
-    a("--warmup-epochs", type=float, default=1.0,
-      help="linear LR warm-up length in epochs, then cosine decay to 0 (default 1)")
-    a("--clip-grad", type=float, default=0.0,
-      help="clip the global gradient norm to this value (0 = off, default)")
-    a("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
-      help="mixed precision: bf16 autocast (also on CPU), fp16 autocast with a GradScaler, or "
-           "off; auto = bf16 on CUDA, off on CPU (default)")
-    a("--compile", action="store_true", help="torch.compile the model (after wrapping it in DDP)")
-    a("--bucket-cap-mb", type=float, default=25.0,
-      help="DDP gradient bucket size in MiB (default 25): smaller buckets start communicating "
-           "earlier, larger ones make fewer, bigger all-reduces")
-    a("--static-graph", action="store_true",
-      help="tell DDP the set of used parameters never changes (enables some optimisations)")
-    a("--find-unused-parameters", action="store_true",
-      help="let DDP handle parameters that get no gradient in some steps (costs a graph "
-           "traversal every step; only for models with conditional branches)")
-    a("--gradient-as-bucket-view", action="store_true",
-      help="let .grad tensors alias DDP's communication buckets (saves one gradient copy of memory)")
-    # Advanced knobs (README: "When communication or memory is the bottleneck").
-    a("--sync-bn", action="store_true",
-      help="convert BatchNorm layers to SyncBatchNorm before wrapping: batch statistics over the "
-           "GLOBAL batch instead of each rank's own (for small per-GPU batches; one extra "
-           "all-reduce per BN layer in every forward)")
-    a("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"],
-      help="DDP communication hook: none = all-reduce fp32 gradients (default); fp16 / bf16 = "
-           "cast each bucket to 16 bits before the all-reduce (half the bytes); powersgd = "
-           "low-rank gradient compression with error feedback (far fewer bytes, approximate)")
-    a("--powersgd-rank", type=int, default=2,
-      help="PowerSGD matrix approximation rank (default 2; higher = more accurate, more bytes)")
-    a("--powersgd-warmup", type=int, default=100,
-      help="PowerSGD: optimizer steps of plain all-reduce before compression starts (default "
-           "100; at least 2)")
-    a("--zero", action="store_true",
-      help="ZeroRedundancyOptimizer (ZeRO stage 1): each rank keeps the optimizer state of only "
-           "1/world_size of the parameters and broadcasts its updated shard after each step")
-    a("--seed", type=int, default=0, help="seed for init, data order, augmentation, synthetic data")
-    a("--workers", type=int, default=None,
-      help="DataLoader worker processes per rank (default: 4 on GPU, 0 on CPU)")
-    a("--checkpoint-dir", default="./checkpoints",
-      help="where last.pt and the best-k checkpoints go (default ./checkpoints)")
-    a("--resume", default=None, metavar="PATH|auto",
-      help="resume from this checkpoint; auto = DIR/last.pt when it exists, else start fresh")
-    a("--save-every", type=int, default=0,
-      help="also save last.pt every N optimizer steps inside an epoch (0 = at epoch ends only)")
-    a("--keep-best", type=int, default=1,
-      help="keep the K checkpoints with the best validation accuracy (default 1; 0 = none)")
-    a("--patience", type=int, default=0,
-      help="early stopping: stop after N epochs without a better validation accuracy (0 = off)")
-    a("--verify-sync", type=int, default=0, metavar="N",
-      help="every N steps check that all ranks hold identical parameters (0 = off)")
-    a("--profile", action="store_true",
-      help="profile steps 2-4 on rank 0 with torch.profiler; writes DIR/profile_rank0.json")
-    a("--log-every", type=int, default=50, help="steps between log lines (default 50)")
-    a("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-      help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
+    a("--model", default="resnet18", choices=["resnet18", "cnn", "cnn-bn"], help="cnn*: small, for CPUs")
+    a("--data", default="auto", choices=["auto", "cifar10", "synthetic"], help="auto: cifar10, else synthetic")
+    a("--data-dir", default="./data", help="where cifar-10-batches-py/ is; may be node-local")
+    a("--subset", type=int, default=0, help="use the first N train and N/5 test samples (0: all)")
+    a("--epochs", type=int, default=30)
+    a("--max-steps", type=int, default=0, help="stop after N steps; the schedule still spans --epochs")
+    a("--batch-size", type=int, default=128, help="PER RANK and micro-step")
+    a("--accum-steps", type=int, default=1, help="micro-steps per optimizer step")
+    a("--optimizer", default="sgd", choices=["sgd", "adamw"], help="sgd: momentum 0.9")
+    a("--lr", type=float, default=None, help="for ONE process, x world size (default sgd 0.1, cnn 0.01; adamw 1e-3)")
+    a("--weight-decay", type=float, default=5e-4)
+    a("--warmup-epochs", type=float, default=1.0, help="linear warm-up, then cosine to 0")
+    a("--clip-grad", type=float, default=0.0, help="max global gradient norm (0: off)")
+    a("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"], help="auto: see pick_amp")
+    a("--compile", action="store_true", help="torch.compile the DDP model")
+    a("--seed", type=int, default=0, help="for init, data order, augmentation, synthetic data")
+    a("--checkpoint-dir", default="./checkpoints", help="for last.pt and best-epochNNN.pt")
+    a("--resume", default=None, metavar="PATH|auto", help="a checkpoint, or DIR/last.pt if there")
+    a("--save-every", type=int, default=0, help="also save last.pt every N steps (0: epoch ends)")
+    a("--keep-best", type=int, default=1, help="keep the K best checkpoints by val_acc")
+    a("--patience", type=int, default=0, help="stop after N epochs without a better val_acc (0: off)")
+    a("--verify-sync", type=int, default=0, metavar="N", help="every N steps compare all ranks' weights")
+    a("--profile", action="store_true", help="trace steps 3-5 of rank 0 into DIR/profile_rank0.json")
+    a("--log-every", type=int, default=50, help="steps between log lines")
+    a("--backend", default="auto", choices=["auto", "nccl", "gloo"], help="auto: nccl on GPUs, else gloo")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "accum_steps", "log_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("max_steps", "subset", "save_every", "keep_best", "patience", "verify_sync",
-                 "seed", "clip_grad", "warmup_epochs", "momentum", "weight_decay"):
-        if (getattr(args, name) or 0) < 0:
-            p.error(f"--{name.replace('_', '-')} must not be negative")
-    if args.lr is not None and not args.lr > 0:
-        p.error("--lr must be > 0")
-    if not 0 <= args.val_fraction < 1:
-        p.error("--val-fraction must be in [0, 1)")
-    if args.workers is not None and args.workers < 0:
-        p.error("--workers must not be negative")
-    if args.bucket_cap_mb <= 0:
-        p.error("--bucket-cap-mb must be > 0")
-    if args.powersgd_rank < 1:
-        p.error("--powersgd-rank must be at least 1")
-    if args.powersgd_warmup < 2:  # PowerSGDState refuses fewer: DDP rebuilds its buckets after step 1
-        p.error("--powersgd-warmup must be at least 2")
-    if args.sync_bn and args.model == "cnn":
-        p.error("--sync-bn needs a model with BatchNorm layers: --model cnn-bn or resnet18 (cnn has none)")
-    if args.lr is None:
-        # BatchNorm lets ResNet take a large SGD step; the plain CNN diverges at 0.1 x world size.
-        args.lr = 1e-3 if args.optimizer == "adamw" else 0.1 if args.model == "resnet18" else 0.02
-    if args.weight_decay is None:
-        args.weight_decay = 5e-4 if args.optimizer == "sgd" else 0.05
+    for name, value in vars(args).items():
+        low = 1 if name in ("epochs", "batch_size", "accum_steps", "log_every") else 0
+        if type(value) in (int, float) and value < low or name == "lr" and value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be {'> 0' if name == 'lr' else f'at least {low}'}")
+    if args.lr is None:  # BatchNorm lets ResNet take a large step; the plain CNN diverges at 0.1 x W
+        args.lr = 1e-3 if args.optimizer == "adamw" else 0.1 if args.model == "resnet18" else 0.01
     return args
 
 
-# ----------------------------------------------------------------------------------------------
-# Model
-# ----------------------------------------------------------------------------------------------
-class SmallCNN(nn.Module):
-    """32x32 RGB image -> 10 class scores (~0.03 M parameters). No BatchNorm, unless bn=True
-    (`--model cnn-bn`): then a BatchNorm2d follows each convolution."""
-
-    def __init__(self, bn=False):
-        super().__init__()
-        # (a bias before BatchNorm is wasted: BN subtracts the mean, bias included, so none then)
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=not bn)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1, bias=not bn)
-        self.conv3 = nn.Conv2d(32, 64, 3, padding=1, bias=not bn)
-        norm = nn.BatchNorm2d if bn else lambda _: nn.Identity()
-        self.bn1, self.bn2, self.bn3 = norm(16), norm(32), norm(64)
-        self.fc = nn.Linear(64 * 4 * 4, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn3(self.conv3(x))), 2)
-        return self.fc(x.flatten(1))
-
-
 def build_model(name):
-    if name in ("cnn", "cnn-bn"):
-        return SmallCNN(bn=name == "cnn-bn")
+    """ResNet-18 with the CIFAR stem, or a small CNN (~0.03 M parameters; cnn-bn: with BatchNorm)."""
+    if name != "resnet18":
+        layers = []
+        for c_in, c_out in [(3, 16), (16, 32), (32, 64)]:  # (no conv bias before BN: it takes the mean)
+            layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=name == "cnn"),
+                       nn.BatchNorm2d(c_out) if name == "cnn-bn" else nn.Identity(), nn.ReLU(), nn.MaxPool2d(2)]
+        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
     from torchvision.models import resnet18
     model = resnet18(weights=None, num_classes=10)
-    # The ImageNet stem (7x7 stride-2 conv + max-pool) shrinks a 32x32 image to 8x8 before the
-    # first block; for CIFAR the usual stem is one 3x3 stride-1 conv and no pool (~+7% accuracy).
-    model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
+    # ImageNet's stem (7x7 stride-2 conv + max-pool) shrinks 32x32 to 8x8 before the first block.
+    model.conv1, model.maxpool = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False), nn.Identity()
     return model
 
 
-class AllReduceSum(torch.autograd.Function):
-    """Differentiable all-reduce (sum): y = sum over ranks of x. Every rank's loss depends on every
-    rank's x through y, so the gradient of x is the sum over ranks of the gradients of y."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
-
-
-class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """SyncBatchNorm for CPU ranks. PyTorch's nn.SyncBatchNorm runs on GPUs only (on a CPU tensor
-    it raises "SyncBatchNorm expected input tensor to be on GPU"), so on CPU `--sync-bn` uses this
-    stand-in: the same computation, written with the differentiable all-reduce above. It takes
-    two all-reduces per layer (sums, then squared deviations from the global mean: exact and
-    stable) where nn.SyncBatchNorm takes one; fine for the CPU runs of this course. Same
-    parameters and buffers as BatchNorm2d, so checkpoints move freely between the two."""
-
-    def _check_input_dim(self, input):
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-
-    def forward(self, x):
-        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
-            return super().forward(x)  # eval, or one process: plain BatchNorm
-        dims = [0] + list(range(2, x.dim()))  # every dim but the channels
-        xf = x.float()
-        count = torch.tensor([xf.numel() // xf.shape[1]], dtype=xf.dtype, device=xf.device)
-        sums = AllReduceSum.apply(torch.cat([xf.sum(dims), count]))  # DDP: sum over all ranks' samples
-        n = sums[-1]
-        mean = sums[:-1] / n
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        centred = xf - mean.view(shape)
-        var = AllReduceSum.apply(centred.pow(2).sum(dims)) / n  # DDP: biased variance of the global batch
-        if self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            with torch.no_grad():  # running variance is unbiased, over the global count
-                self.running_mean.lerp_(mean.detach(), momentum)
-                self.running_var.lerp_(var.detach() * n / (n - 1).clamp(min=1), momentum)
-        y = centred * torch.rsqrt(var + self.eps).view(shape)
-        if self.affine:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y.to(x.dtype)
-
-
-def convert_sync_bn(model, device):
-    """DDP: every BatchNorm layer -> SyncBatchNorm (nn.SyncBatchNorm on GPUs, the CPU stand-in
-    above otherwise). Do it BEFORE wrapping in DDP, so DDP registers the converted layers."""
-    if device.type != "cpu":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-
-    def convert(module):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
-            new = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                    module.track_running_stats).to(device)
-            new.load_state_dict(module.state_dict())
-            return new
-        for name, child in module.named_children():
-            setattr(module, name, convert(child))
-        return module
-    return convert(model)
-
-
-def register_comm_hook(ddp_model, name, powersgd_rank=2, powersgd_warmup=100):
-    """DDP: replace DDP's built-in fp32 all-reduce of each gradient bucket by a communication
-    hook. Returns the hook's state (PowerSGD keeps its error feedback there), or None."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    if name == "none":
-        return None
-    if name in ("fp16", "bf16"):  # cast the bucket to 16 bits, all-reduce, cast back
-        hook = default_hooks.fp16_compress_hook if name == "fp16" else default_hooks.bf16_compress_hook
-        ddp_model.register_comm_hook(None, hook)  # state None = the default process group
-        return None
-    # PowerSGD: each gradient matrix M (n x m) is sent as two rank-r factors P (n x r), Q (m x r);
-    # what the approximation misses is kept per rank (error feedback) and added to the next
-    # step's gradient. Plain all-reduce for the first `powersgd_warmup` steps.
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                        start_powerSGD_iter=powersgd_warmup)
-    hook = powerSGD_hook.powerSGD_hook
-    if dist.get_backend() == "gloo":
-        # The hook chains three all-reduces per bucket through future callbacks. On gloo those
-        # callbacks run on gloo's worker threads, so with 2+ buckets two ranks can issue their
-        # collectives in a different order, and gloo aborts ("gloo::EnforceNotMet") or hangs.
-        # Finish each bucket before DDP hands over the next: correct, with less overlap.
-        def hook(state, bucket, _powersgd=powerSGD_hook.powerSGD_hook):
-            fut = _powersgd(state, bucket)
-            fut.wait()
-            return fut
-    ddp_model.register_comm_hook(state, hook)
-    return state
-
-
-def wrap_model(model, args, ddp):
-    """DDP: wrap the model; during backward its gradients are all-reduced (averaged) in buckets
-    of --bucket-cap-mb, overlapping communication with the rest of the backward."""
-    if args.sync_bn:
-        model = convert_sync_bn(model, ddp.device)
-    ddp_model = DDP(model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None,
-                    bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
-                    find_unused_parameters=args.find_unused_parameters,
-                    gradient_as_bucket_view=args.gradient_as_bucket_view)
-    register_comm_hook(ddp_model, args.comm_hook, args.powersgd_rank, args.powersgd_warmup)
-    return ddp_model
-
-
-def build_optimizer(model, args, lr, device):
-    fused = device.type == "cuda"  # one kernel for the whole update on GPU
-    if args.optimizer == "sgd":
-        cls, kwargs = torch.optim.SGD, dict(momentum=args.momentum)
-    else:
-        cls, kwargs = torch.optim.AdamW, {}
-    kwargs.update(lr=lr, weight_decay=args.weight_decay, fused=fused)
-    if args.zero:
-        # DDP: ZeRO-1. Each rank builds `cls` over its own shard of the parameters (~1/world of the
-        # state: momentum, Adam's two moments), updates only that shard in step(), then broadcasts
-        # it so every rank again holds all the weights. Gradients are still all-reduced in full.
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
-    return cls(model.parameters(), **kwargs)
-
-
-def optimizer_state_bytes(optimizer):
-    """Bytes of optimizer state (momentum, moments, step counts) held by THIS rank; with ZeRO
-    that is the local optimizer over this rank's shard."""
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
-    return sum(t.nbytes for s in local.state.values() for t in s.values() if torch.is_tensor(t))
-
-
-def build_scheduler(optimizer, warmup_steps, total_steps):
-    """Linear warm-up from lr/warmup to lr, then cosine decay to 0 at total_steps."""
-    def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, total_steps - warmup_steps)))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-# ----------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------
-def read_cifar10(root):
-    """The CIFAR-10 python version: cifar-10-batches-py/{data_batch_1..5,test_batch} are pickled
-    dicts with 'data' (N x 3072 uint8, RGB planes) and 'labels'. Returns uint8 images, labels."""
-    def read(names):
-        xs, ys = [], []
-        for name in names:
-            with open(os.path.join(root, CIFAR_DIR, name), "rb") as f:
-                entry = pickle.load(f, encoding="latin1")
-            x, y = np.asarray(entry["data"], dtype=np.uint8), entry["labels"]
-            if x.ndim != 2 or x.shape[1] != 3072 or len(y) != len(x):
-                raise ValueError(f"{name} does not hold N x 3072 images with N labels")
-            xs.append(torch.from_numpy(x.copy()).view(-1, 3, 32, 32))
-            ys.append(torch.as_tensor(y, dtype=torch.int64))
-        return torch.cat(xs), torch.cat(ys)
-    return read(CIFAR_TRAIN), read(["test_batch"])
-
-
-def cifar_on_disk(root):
-    return all(os.path.isfile(os.path.join(root, CIFAR_DIR, n)) for n in CIFAR_TRAIN + ["test_batch"])
-
-
 def synthetic_cifar(seed, n_train, n_test):
-    """CIFAR-shaped uint8 images that can be learned: each class is a fixed random smooth colour
-    pattern, each sample that pattern shifted by up to 2 pixels plus noise. Same on every rank."""
+    """Learnable CIFAR-shaped images, the same on every rank: each class a smooth colour pattern."""
     g = torch.Generator().manual_seed(seed + 12345)
     protos = F.interpolate(torch.rand(10, 3, 8, 8, generator=g), size=32, mode="bilinear")
-
-    def make(n):
-        y = torch.randint(0, 10, (n,), generator=g)
-        xs = []
-        for start in range(0, n, 4096):  # in chunks: float images of 50 000 samples are 600 MB
-            x, shift = protos[y[start:start + 4096]], torch.randint(0, 25, (min(4096, n - start),), generator=g)
-            for k in range(25):  # move each sample by (-2..2, -2..2) pixels
-                x[shift == k] = torch.roll(x[shift == k], shifts=(k // 5 - 2, k % 5 - 2), dims=(2, 3))
-            x = x + 0.25 * torch.randn(x.shape, generator=g)
-            xs.append(x.clamp(0, 1).mul(255).round().to(torch.uint8))
-        return torch.cat(xs), y
-    return make(n_train), make(n_test)
+    y = torch.randint(0, 10, (n_train + n_test,), generator=g)
+    x = torch.cat([(protos[c] + 0.25 * torch.randn(len(c), 3, 32, 32, generator=g)).clamp(0, 1).mul(255).byte()
+                   for c in y.split(4096)])  # in chunks: 60,000 float images would take 700 MB
+    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 
-def get_data(args, ddp):
-    """Rank 0 alone downloads (N ranks downloading into one folder corrupt it) and decides which
-    dataset to use; the decision is broadcast so every rank trains on the same data. Returns the
-    name and (train, val, test) datasets of uint8 images; train samples also carry their index,
-    which seeds their augmentation."""
-    choice = [args.data]
-    if ddp.is_main and args.data != "synthetic":
-        try:
-            if not cifar_on_disk(args.data_dir):
+def load_data(args, ddp):
+    """-> name, train (with sample indices: they seed augmentation), val, test. --data-dir may be node-
+    local: local rank 0 of EVERY node downloads, each rank reads its own, all agree on one dataset."""
+    files, xs, ys, problem = [os.path.join(args.data_dir, CIFAR_DIR, f) for f in CIFAR_FILES], [], [], None
+    if args.data != "synthetic":
+        if ddp.local_rank == 0 and not all(map(os.path.isfile, files)):  # once per node: ranks downloading
+            with contextlib.suppress(Exception):  # into one folder corrupt it. Offline? The read says so
                 from torchvision.datasets import CIFAR10
-                CIFAR10(args.data_dir, train=True, download=True)  # fetch, check md5, extract
-            read_cifar10(args.data_dir)  # readable?
-            choice = ["cifar10"]
-        except Exception as e:  # offline, proxy, disk full, damaged files ...
-            reason = " ".join(str(e).split())[:150] or type(e).__name__
-            if args.data == "cifar10":
-                choice = [f"error:{reason}"]
-            else:
-                print0(f"warning: CIFAR-10 is not in {args.data_dir}/{CIFAR_DIR} and could not be "
-                       f"downloaded ({reason}); using synthetic CIFAR-shaped data instead")
-                choice = ["synthetic"]
-    dist.broadcast_object_list(choice, src=0)  # DDP: all ranks agree on the dataset
-    if choice[0].startswith("error:"):
-        fail(f"CIFAR-10 is not readable in {args.data_dir}/{CIFAR_DIR} and could not be "
-             f"downloaded ({choice[0][6:]}). Put the python version there, or use --data synthetic",
-             code=1)
-    n_train = args.subset or 50000
-    n_test = max(1, args.subset // 5) if args.subset else 10000
-    if choice[0] == "cifar10":
-        (x, y), (tx, ty) = read_cifar10(args.data_dir)
-        (x, y), (tx, ty) = (x[:n_train], y[:n_train]), (tx[:n_test], ty[:n_test])
-    else:
-        (x, y), (tx, ty) = synthetic_cifar(args.seed, n_train, n_test)
-    test_set = TensorDataset(tx, ty)
-    # A fixed split (seed 0, not --seed) so runs with different seeds validate on the same images.
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    n_val = round(len(x) * args.val_fraction)
-    tr, va = order[n_val:].sort().values, order[:n_val].sort().values
-    train_set = TensorDataset(x[tr], y[tr], torch.arange(len(tr)))
-    val_set = TensorDataset(x[va], y[va]) if n_val else test_set
-    return choice[0], train_set, val_set, test_set
+                CIFAR10(args.data_dir, train=True, download=True)  # fetch, check the md5, extract
+        dist.barrier()  # DDP: the node's other ranks wait for its download
+        try:  # the python version: pickled {"data": N x 3072 uint8, "labels": N ints}, 5 train + 1 test
+            for file in files:
+                with open(file, "rb") as f:
+                    entry = pickle.load(f, encoding="latin1")
+                xs.append(torch.from_numpy(np.asarray(entry["data"], dtype=np.uint8)).view(-1, 3, 32, 32))
+                ys.append(torch.tensor(entry["labels"], dtype=torch.int64))
+                if len(xs[-1]) != len(ys[-1]):
+                    raise ValueError(f"{file} holds {len(xs[-1])} images but {len(ys[-1])} labels")
+        except Exception as e:  # missing, truncated, not CIFAR-10
+            problem = f"rank {ddp.rank} (node {ddp.node_rank}) in {args.data_dir}: {' '.join(str(e).split())[:150]}"
+    problems = [None] * ddp.world_size
+    dist.all_gather_object(problems, problem)  # DDP: every rank learns every rank's outcome
+    if bad := [p for p in problems if p]:
+        where = f"on {len(bad)} of {ddp.world_size} ranks ({bad[0]})"
+        if args.data == "cifar10":
+            fail(f"CIFAR-10 is not readable {where}: copy it to every node, or use --data synthetic", code=1)
+        print0(f"warning: no CIFAR-10 {where}; training on synthetic CIFAR-shaped data instead")
+    n_train, n_test = args.subset or 50000, max(1, args.subset // 5) if args.subset else 10000
+    name = "synthetic" if bad or args.data == "synthetic" else "cifar10"
+    (x, y), (tx, ty) = (synthetic_cifar(args.seed, n_train, n_test) if name == "synthetic"
+                        else ((torch.cat(xs[:5]), torch.cat(ys[:5])), (xs[5], ys[5])))
+    # A fixed 10% held out for validation (seed 0, not --seed: every run validates on the same images).
+    order = torch.randperm(min(n_train, len(x)), generator=torch.Generator().manual_seed(0))
+    tr, va = order[len(order) // 10:].sort().values, order[:len(order) // 10].sort().values
+    return name, TensorDataset(x[tr], y[tr], torch.arange(len(tr))), TensorDataset(x[va], y[va]), \
+        TensorDataset(tx[:n_test], ty[:n_test])
 
 
-class SkipSampler(Sampler):
-    """Yields the wrapped sampler's indices after skipping the first `skip`: a run resumed in the
-    middle of an epoch continues with the very samples the interrupted run would have seen next."""
-
-    def __init__(self, sampler):
-        self.sampler, self.skip = sampler, 0
-
-    def __iter__(self):
-        for i, index in enumerate(self.sampler):
-            if i >= self.skip:
-                yield index
-
-    def __len__(self):
-        return len(self.sampler) - self.skip
-
-
-def augment(x, index, epoch, seed, pad=4):
-    """Random crop (zero padding 4) and horizontal flip of a uint8 batch, on its device. Each
-    sample's crop and flip are a hash of (seed, epoch, sample index), not a draw from a random
-    generator: the same on any number of ranks, and a resumed run repeats them exactly."""
-    n, c, h, w = x.shape
-    r = (index.to(x.device) * 7919 + epoch * 104729 + seed * 1299709 + 1) % 2147483647
-    for _ in range(3):  # Lehmer steps: scramble neighbouring indices
-        r = r * 48271 % 2147483647
-    k = 2 * pad + 1
-    dy, dx, flip = r % k, r // k % k, (r // (k * k) % 2).bool()
-    ar_h, ar_w = torch.arange(h, device=x.device), torch.arange(w, device=x.device)
-    rows = dy[:, None] + ar_h  # (n, h)
-    cols = dx[:, None] + torch.where(flip[:, None], w - 1 - ar_w, ar_w)  # (n, w), reversed = flip
-    xp = F.pad(x, (pad, pad, pad, pad))
-    return xp[torch.arange(n, device=x.device)[:, None, None, None],
-              torch.arange(c, device=x.device)[None, :, None, None],
-              rows[:, None, :, None], cols[:, None, None, :]]
+def to_input(x, norm, augment=None):
+    """uint8 images -> normalised floats on norm's device. augment = (index, epoch, seed): a random crop
+    and flip per sample, hashed from them: the same on any number of ranks, and after a resume."""
+    x = x.to(norm[0].device, non_blocking=True)
+    if augment:
+        index, epoch, seed = augment
+        r = (index.to(x.device, non_blocking=True) * 7919 + epoch * 104729 + seed * 1299709 + 1) % 2147483647
+        for _ in range(3):  # Lehmer steps: scramble neighbouring indices
+            r = r * 48271 % 2147483647
+        crops = F.pad(x, (4,) * 4).unfold(2, x.shape[2], 1).unfold(3, x.shape[3], 1)  # (n, c, 9, 9, h, w) view
+        x = crops[torch.arange(len(x), device=x.device), :, r % 9, r // 9 % 9]  # each sample's crop
+        x = torch.where((r // 81 % 2).bool()[:, None, None, None], x.flip(3), x)  # and flip
+    return (x.float().div_(255) - norm[0]) / norm[1]
 
 
-def to_input(x, device, mean, std, augment_args=None):
-    """uint8 images -> normalised float on the device (optionally augmented first)."""
-    x = x.to(device, non_blocking=True)
-    if augment_args is not None:
-        x = augment(x, *augment_args)
-    return (x.float().div_(255) - mean) / std
+def pick_amp(choice, device):
+    """auto: bf16 where the GPU has it natively (not emulated: T4), else fp16 + GradScaler; CPU: off."""
+    if choice != "auto" or device.type != "cuda":
+        return "off" if choice == "auto" else choice
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
-# ----------------------------------------------------------------------------------------------
-# Training and evaluation
-# ----------------------------------------------------------------------------------------------
 def train_step(ddp_model, forward, optimizer, scaler, micro_batches, amp_dtype, clip_grad):
-    """One optimizer step over a list of (x, y) micro-batches. Gradients of all micro-steps add up
-    locally; only the last micro-step's backward all-reduces. Returns (loss sum, correct) over
-    the micro-batches as device tensors (no host sync). `forward` is the DDP model or its
-    torch.compile'd wrapper; `ddp_model` is the DDP module itself (for no_sync)."""
+    """One step over (x, y) micro-batches (forward: ddp_model, or compiled); (loss sum, correct)."""
     optimizer.zero_grad(set_to_none=True)
-    device = micro_batches[0][0].device
+    n, device = len(micro_batches), micro_batches[0][0].device
     stats = torch.zeros(2, device=device)
-    n = len(micro_batches)
     for i, (x, y) in enumerate(micro_batches):
         # DDP: no_sync must cover the forward too: DDP decides in forward whether the coming
         # backward all-reduces. Wrapping only backward() still communicates on every micro-step.
@@ -506,24 +176,29 @@ def train_step(ddp_model, forward, optimizer, scaler, micro_batches, amp_dtype, 
     return stats
 
 
+def sync_buffers(model):
+    """DDP: BatchNorm statistics are buffers each rank updates from its own batches (DDP copies rank
+    0's when a training forward starts). Before evaluating or saving, all ranks take rank 0's."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 @torch.no_grad()
-def evaluate(model, dataset, ddp, batch_size, mean, std, amp_dtype):
-    """Exact accuracy across ranks. DistributedSampler would pad the shards with repeated samples
-    to make them equal; here rank r takes samples r, r+W, r+2W, ... (no padding, no sample twice)
-    and the sums are all-reduced, so the count is exactly len(dataset). `model` is the bare
-    model (model.module): the shards may differ by one batch, and a DDP forward can run a
-    collective (buffer broadcast) that would then wait forever for the rank that has finished."""
+def evaluate(job, dataset):
+    """Exact: rank r takes samples r, r+W, ... (no padding repeats), sums are all-reduced. On the bare
+    model.module: shards differ by a batch, and a DDP forward may run a collective (a hang)."""
+    model, ddp, amp_dtype = job.model, job.ddp, job.amp_dtype
+    sync_buffers(model)
     model.eval()
-    shard = Subset(dataset, range(ddp.rank, len(dataset), ddp.world_size))
     totals = torch.zeros(3, device=ddp.device, dtype=torch.float64)  # loss sum, correct, count
-    for x, y in DataLoader(shard, batch_size=2 * batch_size, generator=torch.Generator()):
-        x, y = to_input(x, ddp.device, mean, std), y.to(ddp.device, non_blocking=True)
+    for x, y in DataLoader(Subset(dataset, range(ddp.rank, len(dataset), ddp.world_size)), 2 * job.args.batch_size):
+        x, y = to_input(x, job.norm), y.to(ddp.device, non_blocking=True)
         with torch.autocast(ddp.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(x)
-        totals += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
-                               (logits.argmax(1) == y).sum().double(),
-                               torch.tensor(float(len(y)), device=ddp.device, dtype=torch.float64)])
-    dist.all_reduce(totals)  # DDP: sum the shards' counts
+            logits = model(x).float()
+        totals[0] += F.cross_entropy(logits, y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)  # a Python number: no tensor built and copied to the device every batch
+    dist.all_reduce(totals)  # DDP: sum over the shards
     model.train()
     loss_sum, correct, count = totals.tolist()
     return loss_sum / max(count, 1), correct / max(count, 1), int(correct), int(count)
@@ -531,271 +206,194 @@ def evaluate(model, dataset, ddp, batch_size, mean, std, amp_dtype):
 
 @torch.no_grad()
 def verify_sync(model):
-    """None if every rank holds bitwise-identical parameters, else (name, max |difference|) of the
-    first tensor that differs. Elementwise max and min over ranks are equal iff all ranks agree."""
-    named = [(n, p.detach().reshape(-1).double()) for n, p in model.named_parameters()]
-    hi = torch.cat([p for _, p in named])
-    lo = hi.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)  # DDP: same result on every rank, so every rank
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)  # takes the same decision below
-    diff = hi - lo
-    bad = diff != 0  # NaN counts as a difference too
-    if not bool(bad.any()):
-        return None
-    first = int(bad.nonzero()[0])
-    start = 0
-    for name, p in named:
-        if first < start + p.numel():
-            return name, float(diff[start:start + p.numel()].nan_to_num(nan=float("inf")).max())
-        start += p.numel()
+    """None if all ranks' weights are bitwise equal, else (first differing name, max |difference|)."""
+    named = list(model.named_parameters())
+    both = torch.cat([p.detach().reshape(-1).double() for _, p in named]).repeat(2, 1)
+    both[1].neg_()
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # DDP: max and -min over ranks, the same on every rank
+    diff = (both[0] + both[1]).nan_to_num(nan=float("inf"))  # max - min; NaN counts as a difference
+    for (name, _), d in zip(named, diff.split([p.numel() for _, p in named])):
+        if bool(d.any()):
+            return name, float(d.max())
 
 
-def peak_memory(device):
-    """Peak memory of this rank in bytes: CUDA max allocated, or the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def save(job, filename):
+    """Every rank calls this (it gathers); global rank 0 writes the file atomically."""
+    sync_buffers(job.model)
+    rngs = [None] * job.ddp.world_size  # DDP: every rank's random generators, for an exact resume
+    cuda = [torch.cuda.get_rng_state()] if job.ddp.device.type == "cuda" else []
+    dist.all_gather_object(rngs, [torch.get_rng_state()] + cuda)
+    save_checkpoint({"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict(),
+                     "scheduler": job.scheduler.state_dict(), "scaler": job.scaler.state_dict(),
+                     "rng": rngs, "world_size": job.ddp.world_size, "args": vars(job.args), **job.state},
+                    os.path.join(job.args.checkpoint_dir, filename))
 
 
-def rng_state(device):
-    """This rank's random generator states, as tensors and ints (weights_only=True loads them)."""
-    version, mt, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(),
-             "python": torch.tensor(mt, dtype=torch.int64), "python_gauss": gauss,
-             "numpy": torch.from_numpy(np_keys.astype(np.int64)),
-             "numpy_pos": int(np_pos), "numpy_gauss": [int(np_has_gauss), float(np_gauss)]}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    torch.set_rng_state(state["torch"].cpu())  # map_location moved it to `device`: bring it back
-    random.setstate((3, tuple(state["python"].tolist()), state["python_gauss"]))
-    np.random.set_state(("MT19937", state["numpy"].cpu().numpy().astype(np.uint32),
-                         state["numpy_pos"], *state["numpy_gauss"]))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
-def make_profiler(args, ddp):
-    """torch.profiler on rank 0: skip step 1 (warm-up effects), record steps 3-5 after one more
-    warm-up step, then print the top operators and write a Chrome trace (chrome://tracing,
-    https://ui.perfetto.dev)."""
-    path = os.path.join(args.checkpoint_dir, "profile_rank0.json")
-
-    def on_ready(prof):
-        sort = "self_cuda_time_total" if ddp.device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=12), flush=True)
-        os.makedirs(args.checkpoint_dir, exist_ok=True)
-        prof.export_chrome_trace(path)
-        print(f"profile: trace of 3 steps written to {path}", flush=True)
-    acts = [torch.profiler.ProfilerActivity.CPU]
+def resume(job):
+    """--resume PATH|auto, before the DDP wrap. All ranks must agree: with node-local disks some may
+    lack last.pt, and a rank starting fresh beside resumed ones trains other steps, then hangs."""
+    args, ddp, state = job.args, job.ddp, job.state
+    path = os.path.join(args.checkpoint_dir, "last.pt") if args.resume == "auto" else args.resume
+    path = None if args.resume == "auto" and not os.path.isfile(path) else path
+    # To the CPU (no GPU holds a second copy); load_state_dict copies it to the model's device.
+    ckpt = path and load_checkpoint(path, model=job.model, optimizer=job.optimizer,
+                                    scheduler=job.scheduler, scaler=job.scaler)
+    found = [None] * ddp.world_size
+    dist.all_gather_object(found, ckpt and (ckpt["step"], ckpt["world_size"]))  # DDP: compare
+    if len(set(found)) > 1:
+        fail(f"ranks found different checkpoints to resume from ((step, world size) by rank: {found}): give every "
+             "node the same one (a shared --checkpoint-dir, or a copy on each), or remove them all", code=1)
+    if not ckpt:
+        return print0(f"resume: no {args.checkpoint_dir}/last.pt yet; starting from scratch") if args.resume else None
+    # Steps count global batches and the schedule saved lr x world size: both change with the world.
+    saved = ckpt["args"]["batch_size"] * ckpt["args"]["accum_steps"] * ckpt["world_size"]
+    if saved != job.global_batch or ckpt["world_size"] != ddp.world_size:
+        fail(f"{path} was saved by {ckpt['world_size']} ranks with a global batch of {saved}; this run has "
+             f"{ddp.world_size} and {job.global_batch}. Resume with the same world size and batch", code=2)
+    state.update({k: ckpt[k] for k in state})
+    torch.set_rng_state(ckpt["rng"][ddp.rank][0])  # DDP: each rank its own generators
     if ddp.device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts, on_trace_ready=on_ready,
-                                  schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        torch.cuda.set_rng_state(ckpt["rng"][ddp.rank][1])
+    print0(f"resume: {path} at epoch {min(state['epoch'] + 1, args.epochs)}, step {state['step']}")
+
+
+def build(args, ddp):
+    """Data, model, optimizer, schedule and progress (restored by --resume), then the DDP wrap."""
+    job = SimpleNamespace(args=args, ddp=ddp, amp=pick_amp(args.amp, ddp.device), loss=float("nan"))
+    job.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.amp)
+    job.dataset, job.train_set, job.val_set, job.test_set = load_data(args, ddp)
+    job.norm = [torch.tensor(v, device=ddp.device).view(1, 3, 1, 1) for v in (MEAN, STD)]
+    # DDP: each rank reads its own 1/world_size of the shuffled indices; the padded shards and drop_last
+    # give every rank the same number of steps (a mismatch would hang in all-reduce).
+    job.sampler = DistributedSampler(job.train_set, ddp.world_size, ddp.rank, shuffle=True, seed=args.seed)
+    job.global_batch = args.batch_size * args.accum_steps * ddp.world_size
+    job.steps_per_epoch = len(job.sampler) // args.batch_size // args.accum_steps
+    if job.steps_per_epoch == 0:
+        fail(f"{len(job.train_set)} training samples give each of {ddp.world_size} ranks {len(job.sampler)}, "
+             f"less than one step of {args.batch_size} x {args.accum_steps}: lower --batch-size or --accum-steps")
+    job.total_steps = args.epochs * job.steps_per_epoch
+    job.run_steps = min(job.total_steps, args.max_steps or job.total_steps)
+    job.world_lr = args.lr * ddp.world_size  # linear scaling rule: W x the batch, W x the LR
+    job.model = build_model(args.model).to(ddp.device)
+    opt = dict(lr=job.world_lr, weight_decay=args.weight_decay, fused=ddp.device.type == "cuda")  # fused: 1 kernel
+    job.optimizer = (torch.optim.SGD(job.model.parameters(), momentum=0.9, **opt) if args.optimizer == "sgd"
+                     else torch.optim.AdamW(job.model.parameters(), **opt))
+    warm, total = min(job.total_steps, round(args.warmup_epochs * job.steps_per_epoch)), job.total_steps
+
+    def factor(s):  # linear warm-up, then cosine decay to 0
+        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+    job.scheduler = torch.optim.lr_scheduler.LambdaLR(job.optimizer, factor)
+    job.scaler = torch.amp.GradScaler(ddp.device.type, enabled=job.amp == "fp16")
+    # Progress: `epoch` is the epoch in progress, `epoch_step` its optimizer steps done.
+    job.state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_acc": -1.0, "bad_epochs": 0, "best": []}
+    resume(job)
+    # DDP: broadcasts rank 0's weights now; in backward, averages the gradients in buckets, overlapped.
+    job.ddp_model = DDP(job.model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None)
+    # DDP first, then compile: the compiler sees DDP's buckets and overlaps their all-reduce with backward.
+    job.forward = torch.compile(job.ddp_model) if args.compile else job.ddp_model
+    return job
+
+
+def train_epoch(job):
+    """Optimizer steps to the end of the epoch or to --max-steps; True if the epoch ended."""
+    args, ddp, state = job.args, job.ddp, job.state
+    epoch, on_gpu = state["epoch"], ddp.device.type == "cuda"
+    job.sampler.set_epoch(epoch)  # DDP: else every epoch repeats epoch 0's order
+    order = list(job.sampler)[state["epoch_step"] * args.accum_steps * args.batch_size:]  # resumed: skip
+    rng = torch.Generator().manual_seed(args.seed * 100003 + epoch * 1009 + ddp.rank)  # workers' seeds: not global
+    batches = iter(DataLoader(job.train_set, args.batch_size, sampler=order, drop_last=True, generator=rng,
+                              num_workers=4 * on_gpu, pin_memory=on_gpu))  # workers: on GPUs, keep it fed
+    job.t_log, job.n_seen, job.stats = time.perf_counter(), 0, torch.zeros(2, device=ddp.device)
+    while state["epoch_step"] < job.steps_per_epoch and state["step"] < job.run_steps:
+        micro = [(to_input(x, job.norm, (i, epoch, args.seed)), y.to(ddp.device, non_blocking=True))
+                 for x, y, i in (next(batches) for _ in range(args.accum_steps))]
+        job.stats += train_step(job.ddp_model, job.forward, job.optimizer, job.scaler, micro, job.amp_dtype,
+                                args.clip_grad)
+        job.scheduler.step()
+        job.n_seen += args.batch_size * args.accum_steps
+        state["step"], state["epoch_step"] = state["step"] + 1, state["epoch_step"] + 1
+        step = state["step"]
+        if job.prof:
+            job.prof.step()
+        if args.verify_sync and step % args.verify_sync == 0 and (bad := verify_sync(job.model)):
+            fail(f"parameters differ across ranks at step {step}: first '{bad[0]}' (max difference "
+                 f"{bad[1]:.3g}). A rank changed its weights outside DDP's all-reduce", code=1)
+        if step % args.log_every == 0 or step == job.run_steps or state["epoch_step"] == job.steps_per_epoch:
+            dist.all_reduce(job.stats)  # DDP: global loss and accuracy; the loop's only wait for the device
+            (loss_sum, correct), count, now = job.stats.tolist(), job.n_seen * ddp.world_size, time.perf_counter()
+            job.loss, eta = loss_sum / count, (job.run_steps - step) * (now - job.t_start) / (step - job.start_step)
+            print0(f"epoch {epoch + 1}/{args.epochs} | step {step}/{job.run_steps} | loss {job.loss:.4f} | acc "
+                   f"{100 * correct / count:.2f}% | lr {job.scheduler.get_last_lr()[0]:.4g} | "
+                   f"{count / (now - job.t_log):.0f} samples/s | eta {datetime.timedelta(seconds=round(eta))}")
+            job.t_log, job.n_seen = now, 0
+            job.stats.zero_()
+        if args.save_every and step % args.save_every == 0 and state["epoch_step"] < job.steps_per_epoch:
+            save(job, "last.pt")
+    return state["epoch_step"] == job.steps_per_epoch
+
+
+def end_epoch(job, epoch):
+    """Validate, keep the best-k checkpoints, decide early stopping; returns True to stop."""
+    args, ddp, state = job.args, job.ddp, job.state
+    val_loss, job.val_acc, correct, count = evaluate(job, job.val_set)
+    state["bad_epochs"] = 0 if job.val_acc > state["best_acc"] else state["bad_epochs"] + 1
+    state["best_acc"] = max(state["best_acc"], job.val_acc)
+    # DDP: rank 0 decides for all: a rank that stopped alone would leave the others waiting forever.
+    stop = torch.tensor([bool(args.patience) and state["bad_epochs"] >= args.patience], device=ddp.device)
+    dist.broadcast(stop, src=0)
+    state["epoch"], state["epoch_step"] = epoch + 1, 0
+    best = f"best-epoch{epoch + 1:03d}.pt"  # best-k: highest accuracy first, the earlier epoch on ties
+    ranked = sorted(state["best"] + [[job.val_acc, epoch + 1, best]], key=lambda b: (-b[0], b[1]))
+    state["best"], evicted = ranked[:args.keep_best], [b[2] for b in ranked[args.keep_best:]]
+    print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {100 * job.val_acc:.2f}% "
+           f"({correct}/{count}) | best {100 * state['best_acc']:.2f}%" + (" | early stop" if stop else ""))
+    save(job, "last.pt")
+    if best not in evicted:
+        save(job, best)
+    for name in evicted if ddp.is_main else []:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.checkpoint_dir, name))
+    return bool(stop)
 
 
 def main(argv=None):
-    """Train; returns the final progress state and metrics (the tests call this under mp.spawn)."""
+    """Train; returns the progress state and final metrics (the tests call this under mp.spawn)."""
     args = parse_args(argv)
     ddp = setup(args.backend)  # DDP: join the process group; pick this rank's device
-    on_gpu = ddp.device.type == "cuda"
-    amp = {"auto": "bf16" if on_gpu else "off"}.get(args.amp, args.amp)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[amp]
-    set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP also broadcasts them)
-    dataset, train_set, val_set, test_set = get_data(args, ddp)
-    mean = torch.tensor(MEAN, device=ddp.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=ddp.device).view(1, 3, 1, 1)
-
-    # DDP: each rank reads a different 1/world_size of the shuffled indices. Every shard has the
-    # same length (the sampler pads) and drop_last drops the same short final batch on every
-    # rank, so all ranks run the same number of steps: a mismatch would hang in all-reduce.
-    sampler = DistributedSampler(train_set, num_replicas=ddp.world_size, rank=ddp.rank,
-                                 shuffle=True, seed=args.seed)
-    skipper = SkipSampler(sampler)
-    workers = args.workers if args.workers is not None else (4 if on_gpu else 0)
-    # Its own generator: every iter(loader) draws the workers' base seed from it, and drawing from
-    # the global RNG instead would shift that stream differently in a resumed run.
-    loader_rng = torch.Generator()
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=skipper, drop_last=True,
-                        num_workers=workers, pin_memory=on_gpu, generator=loader_rng)
-    steps_per_epoch = len(sampler) // args.batch_size // args.accum_steps
-    if steps_per_epoch == 0:
-        fail(f"the training set ({len(train_set)} samples) gives each of the {ddp.world_size} ranks "
-             f"{len(sampler)} samples, less than one step of {args.batch_size} x "
-             f"{args.accum_steps} micro-batches: lower --batch-size or --accum-steps")
-    total_steps = args.epochs * steps_per_epoch
-    run_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
-    warmup_steps = min(total_steps, round(args.warmup_epochs * steps_per_epoch))
-
-    model = build_model(args.model).to(ddp.device)
-    ddp_model = wrap_model(model, args, ddp)
-    # DDP first, then compile: the compiler then sees DDP's bucket boundaries and can overlap
-    # each bucket's all-reduce with the rest of the backward (compiling first hides them).
-    forward = torch.compile(ddp_model) if args.compile else ddp_model
-    world_lr = args.lr if args.no_lr_scaling else args.lr * ddp.world_size  # linear scaling rule
-    optimizer = build_optimizer(ddp_model, args, world_lr, ddp.device)
-    scheduler = build_scheduler(optimizer, warmup_steps, total_steps)
-    scaler = torch.amp.GradScaler(ddp.device.type, enabled=amp == "fp16")
-
-    # Progress state: `epoch` is the epoch in progress, `epoch_step` its optimizer steps done.
-    state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_acc": -1.0, "bad_epochs": 0, "best": []}
-    path = args.resume
-    if path == "auto":
-        path = os.path.join(args.checkpoint_dir, "last.pt")
-        if not os.path.isfile(path):
-            print0(f"resume: no {path} yet; starting from scratch")
-            path = None
-    if path:
-        # DDP: every rank loads the same file onto its own device (map_location), weights only.
-        ckpt = load_checkpoint(path, ddp.device, model=ddp_model.module, optimizer=optimizer,
-                               scheduler=scheduler, scaler=scaler)
-        state.update({k: ckpt[k] for k in state if k in ckpt})
-        if ckpt.get("world_size") == ddp.world_size and "rng" in ckpt:
-            set_rng_state(ckpt["rng"][ddp.rank], ddp.device)  # DDP: each rank its own state
-        else:
-            print0(f"warning: {path} was saved by {ckpt.get('world_size')} ranks, this run has "
-                   f"{ddp.world_size}: data order and random state differ from the original run")
-        if state["epoch_step"] >= steps_per_epoch:
-            state["epoch"], state["epoch_step"] = state["epoch"] + 1, 0
-        print0(f"resume: {path} at epoch {state['epoch'] + 1}, step {state['step']}"
-               if state["epoch"] < args.epochs else f"resume: {path} has finished all {args.epochs} epochs")
-
-    def save(filename):
-        """Every rank calls this: the RNG states are gathered from all ranks, rank 0 writes."""
-        rngs = [None] * ddp.world_size
-        dist.all_gather_object(rngs, rng_state(ddp.device))  # DDP: collect every rank's RNG
-        if args.zero:
-            # DDP: ZeRO's state is spread over the ranks. consolidate_state_dict is a collective
-            # (every rank must call it); afterwards rank 0 alone can build the full state_dict,
-            # in the same format as the unsharded optimizer's. Resume loads it on every rank and
-            # each keeps its own shard.
-            optimizer.consolidate_state_dict(to=0)
-        opt_state = optimizer.state_dict() if ddp.is_main or not args.zero else None
-        save_checkpoint({"model": ddp_model.module.state_dict(),  # DDP: the bare model's weights
-                         "optimizer": opt_state, "scheduler": scheduler.state_dict(),
-                         "scaler": scaler.state_dict(), "rng": rngs, "world_size": ddp.world_size,
-                         "args": vars(args), **state},
-                        os.path.join(args.checkpoint_dir, filename))
-
-    print0(f"start: data {dataset} | model {args.model} | train {len(train_set)} | val {len(val_set)} "
-           f"| test {len(test_set)} | world {ddp.world_size} | backend {ddp.backend} | device "
-           f"{ddp.device.type} | amp {amp} | batch {args.batch_size}/rank x {args.accum_steps} accum, "
-           f"{args.batch_size * args.accum_steps * ddp.world_size} global | lr {world_lr:g} | "
-           f"steps {state['step']}->{run_steps} of {total_steps}"
-           + (" | sync_bn" if args.sync_bn else "") + (" | zero" if args.zero else "")
-           + (f" | comm_hook {args.comm_hook}" if args.comm_hook != "none" else ""))
-
-    prof = make_profiler(args, ddp) if args.profile and ddp.is_main else None
-    if prof:
-        prof.start()
-    t_start = t_log = time.perf_counter()
-    start_step = state["step"]
-    stats = torch.zeros(2, device=ddp.device)  # loss sum, correct since the last log line
-    n_seen, train_loss, val_acc = 0, float("nan"), float("nan")
-    stop = bool(args.patience) and state["bad_epochs"] >= args.patience  # resumed after a stop
-    while state["epoch"] < args.epochs and state["step"] < run_steps and not stop:
-        epoch = state["epoch"]
-        sampler.set_epoch(epoch)  # DDP: without this every epoch repeats epoch 0's order
-        skipper.skip = state["epoch_step"] * args.accum_steps * args.batch_size
-        loader_rng.manual_seed(args.seed * 100003 + epoch * 1009 + ddp.rank)  # worker seeds
-        batches = iter(loader)
-        while state["epoch_step"] < steps_per_epoch and state["step"] < run_steps:
-            micro = []
-            for _ in range(args.accum_steps):
-                x, y, index = next(batches)
-                micro.append((to_input(x, ddp.device, mean, std, (index, epoch, args.seed)),
-                              y.to(ddp.device, non_blocking=True)))
-            stats += train_step(ddp_model, forward, optimizer, scaler, micro, amp_dtype, args.clip_grad)
-            scheduler.step()
-            n_seen += args.batch_size * args.accum_steps
-            state["step"] += 1
-            state["epoch_step"] += 1
-            step = state["step"]
-            if prof:
-                prof.step()
-            if args.verify_sync and step % args.verify_sync == 0:
-                mismatch = verify_sync(ddp_model.module)
-                if mismatch:
-                    fail(f"parameters differ across ranks at step {step}: first differing tensor "
-                         f"'{mismatch[0]}' (max difference {mismatch[1]:.3g}). A rank changed its "
-                         "weights outside DDP's all-reduce", code=1)
-            if step % args.log_every == 0 or step == run_steps:
-                # DDP: one small all-gather per log line: global loss/accuracy, every rank's memory.
-                mine = torch.cat([stats.double(), torch.tensor([n_seen, peak_memory(ddp.device)],
-                                                               dtype=torch.float64, device=ddp.device)])
-                every = [torch.zeros_like(mine) for _ in range(ddp.world_size)]
-                dist.all_gather(every, mine)
-                every = torch.stack(every).cpu()  # waits for the device: once per log line
-                loss_sum, correct, count = every[:, :3].sum(0).tolist()
-                now = time.perf_counter()
-                eta = (run_steps - step) * (now - t_start) / (step - start_step)
-                train_loss = loss_sum / count
-                print0(f"epoch {epoch + 1}/{args.epochs} | step {step}/{run_steps} | "
-                       f"loss {train_loss:.4f} | acc {100 * correct / count:.2f}% | "
-                       f"lr {scheduler.get_last_lr()[0]:.4g} | {count / (now - t_log):.0f} samples/s | "
-                       f"mem {every[:, 3].max() / 2**20:.0f} MiB | eta {datetime.timedelta(seconds=round(eta))}")
-                t_log, n_seen = now, 0
-                stats.zero_()
-            if (args.save_every and step % args.save_every == 0
-                    and state["epoch_step"] < steps_per_epoch):
-                save("last.pt")
-        if state["epoch_step"] < steps_per_epoch:  # stopped by --max-steps inside the epoch
-            save("last.pt")
-            break
-        val_loss, val_acc, correct, count = evaluate(ddp_model.module, val_set, ddp, args.batch_size,
-                                                     mean, std, amp_dtype)
-        improved = val_acc > state["best_acc"]
-        if improved:
-            state["best_acc"] = val_acc
-        state["bad_epochs"] = 0 if improved else state["bad_epochs"] + 1
-        # DDP: rank 0 decides whether to stop and tells everyone: a rank that stopped alone would
-        # leave the others waiting in their next all-reduce.
-        flag = torch.tensor([int(bool(args.patience) and state["bad_epochs"] >= args.patience)],
-                            device=ddp.device)
-        dist.broadcast(flag, src=0)
-        stop = bool(flag.item())
-        state["epoch"], state["epoch_step"] = epoch + 1, 0
-        best_name, evicted = f"best-epoch{epoch + 1:03d}.pt", []
-        if args.keep_best:  # highest accuracy first, the earlier epoch on ties
-            ranked = sorted(state["best"] + [[val_acc, epoch + 1, best_name]], key=lambda b: (-b[0], b[1]))
-            state["best"], evicted = ranked[:args.keep_best], [b[2] for b in ranked[args.keep_best:]]
-        if not args.keep_best or best_name in evicted:
-            best_name = None
-        print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
-               f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | best {100 * state['best_acc']:.2f}%"
-               + (" | early stop" if stop else ""))
-        save("last.pt")
-        if best_name:
-            save(best_name)
-        if ddp.is_main:
-            for name in evicted:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(args.checkpoint_dir, name))
-    if prof:
-        prof.stop()
-
-    if state["step"] == start_step or state["epoch_step"]:  # no epoch ended in this run
-        _, val_acc, _, _ = evaluate(ddp_model.module, val_set, ddp, args.batch_size, mean, std, amp_dtype)
-    test_loss, test_acc, correct, count = evaluate(ddp_model.module, test_set, ddp, args.batch_size,
-                                                   mean, std, amp_dtype)
-    opt_bytes = optimizer_state_bytes(optimizer)  # this rank's; with --zero ~1/world of the total
-    print0(f"done: data {dataset} | model {args.model} | world {ddp.world_size} | backend "
-           f"{ddp.backend} | device {ddp.device.type} | epochs {state['epoch']} | steps {state['step']} "
-           f"| loss {train_loss:.4f} | val_acc {100 * val_acc:.2f}% | best_val_acc "
-           f"{100 * max(state['best_acc'], 0):.2f}% | test_acc {100 * test_acc:.2f}% ({correct}/{count}) "
-           f"| opt_state {opt_bytes / 2**20:.3f} MiB/rank | time {time.perf_counter() - t_start:.1f}s")
-    # DDP: free the DDP wrapper (it sits in a reference cycle, hence gc) before the process group:
-    # a DDP that never ran a backward (a resumed run with nothing left to do) was seen to abort
-    # the process at exit ("terminate called without an active exception") on gloo otherwise.
-    del forward, ddp_model
+    set_seed(args.seed)  # the same seed everywhere: the same initial weights (DDP broadcasts them too)
+    job = build(args, ddp)
+    state, job.prof = job.state, None
+    print0(f"start: data {job.dataset} | model {args.model} | train {len(job.train_set)} | val {len(job.val_set)} "
+           f"| test {len(job.test_set)} | world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} "
+           f"| amp {job.amp} | batch {args.batch_size}/rank x {args.accum_steps} accum, {job.global_batch} global "
+           f"| lr {job.world_lr:g} | steps {state['step']}->{job.run_steps} of {job.total_steps}")
+    if args.profile and ddp.is_main:  # steps 3-5 of rank 0 -> a Chrome trace (https://ui.perfetto.dev)
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        trace = os.path.join(args.checkpoint_dir, "profile_rank0.json")
+        job.prof = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+                                          on_trace_ready=lambda prof: prof.export_chrome_trace(trace))
+    job.t_start, job.start_step, job.val_acc = time.perf_counter(), state["step"], float("nan")
+    stop = bool(args.patience) and state["bad_epochs"] >= args.patience  # resumed after an early stop
+    with job.prof or contextlib.nullcontext():
+        while state["epoch"] < args.epochs and state["step"] < job.run_steps and not stop:
+            if not train_epoch(job):  # --max-steps stopped it inside the epoch
+                save(job, "last.pt")
+                break
+            stop = end_epoch(job, state["epoch"])
+    if state["step"] == job.start_step or state["epoch_step"]:  # no epoch ended in this run
+        job.val_acc = evaluate(job, job.val_set)[1]
+    _, test_acc, correct, count = evaluate(job, job.test_set)
+    print0(f"done: data {job.dataset} | model {args.model} | world {ddp.world_size} | backend {ddp.backend} "
+           f"| device {ddp.device.type} | epochs {state['epoch']} | steps {state['step']} | loss {job.loss:.4f} "
+           f"| val_acc {100 * job.val_acc:.2f}% | best_val_acc {100 * max(state['best_acc'], 0):.2f}% "
+           f"| test_acc {100 * test_acc:.2f}% ({correct}/{count}) | time {time.perf_counter() - job.t_start:.1f}s")
+    # DDP: free the wrapper (a reference cycle, hence gc) before leaving the group: on gloo a DDP that
+    # never ran a backward (a finished run resumed) can abort the process at exit.
+    del job.forward, job.ddp_model
     gc.collect()
     cleanup()
-    return {**state, "dataset": dataset, "loss": train_loss, "val_acc": val_acc, "test_acc": test_acc,
-            "opt_state_bytes": opt_bytes}
+    return {**state, "dataset": job.dataset, "loss": job.loss, "val_acc": job.val_acc,
+            "test_acc": test_acc, "test_count": count}
 
 
 if __name__ == "__main__":

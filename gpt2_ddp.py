@@ -1,38 +1,20 @@
-"""Lesson 5: GPT-2 trained data-parallel, launched with mp.spawn (or torchrun).
+"""Lesson 5: fine-tune GPT-2 data-parallel (or train it from scratch), with mp.spawn or torchrun.
 
-    python gpt2_ddp.py --nproc 2                      # mp.spawn: 2 workers (one per GPU, or CPU)
-    torchrun --standalone --nproc_per_node=2 gpt2_ddp.py   # the same file under torchrun
-    python gpt2_ddp.py --nproc 1 --preset 124m --bench-steps 20 --compile ...   # speed
+    python gpt2_ddp.py --nproc 2 --init-from gpt2 --text FILE --export-hf out/   # 124M in, HF out
 
-What this lesson adds to lessons 1-4:
-- mp.spawn: one command starts the workers itself. The parent reads and tokenizes the text once,
-  picks a free MASTER_PORT, spawns one process per GPU and turns a worker's failure into one
-  error line. Under torchrun (RANK is set) there is no parent: rank 0 tokenizes and broadcasts.
-- A token dataset sharded across ranks: sliding windows over one long token stream (inputs and
-  targets shifted by one token), DistributedSampler + set_epoch for training, and an exact
-  validation loss (each window evaluated once, sums all-reduced).
-- The speed settings of a good single-file GPT trainer: fused AdamW, attention through
-  scaled_dot_product_attention (flash kernels), bf16 autocast, a vocabulary padded to a multiple
-  of 64, torch.compile of the DDP model, gradient accumulation without needless all-reduces
-  (no_sync), and tokens/s + MFU (model FLOPs utilization) in the log.
-- Rank 0 alone generates text at the end, after the process group is gone: no rank waits on it.
-
-The model is GPT-2 in plain PyTorch (presets `124m` and a `tiny` one for CPUs); the tokenizer is
-tiktoken's `gpt2` (downloads two BPE files once) or `--tokenizer bytes`, one token per byte,
-which needs no download. The DDP-specific lines are marked `# DDP:`.
+New here: mp.spawn; every rank loads the pretrained weights before DDP wraps the model; token
+windows sharded by DistributedSampler; an exact validation loss; rank 0 exports and samples text
+after leaving the group. The DDP lines are marked `# DDP:`.
 """
 import argparse
-import datetime
+import collections
+import json
 import logging
 import math
 import os
-import re
-import signal
 import sys
 import time
-import urllib.request
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 
 import tiktoken
 import torch
@@ -40,322 +22,221 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, free_port, print0, save_checkpoint, set_seed, setup
+from ddp_common import cleanup, fail, free_port, load_checkpoint, print0, save_checkpoint, set_seed, setup
 
-# A short public-domain story (Edith Wharton, "The Verdict", 1908; ~20 kB).
-STORY_URL = ("https://raw.githubusercontent.com/rasbt/LLMs-from-scratch/main/"
-             "ch02/01_main-chapter-code/the-verdict.txt")
-STORY_FILE = "the-verdict.txt"
-OFFLINE_HINT = "python gpt2_ddp.py --text FILE --tokenizer bytes"
-BENCH_WARMUP = 5  # steps run before --bench-steps timing starts (compilation, allocator warm-up)
+HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # openai-community/<name>
+# Hugging Face stores these as Conv1D weights, (in, out): the transpose of nn.Linear's.
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
-# Dense bf16 tensor-core peak per GPU in TFLOP/s (vendor data sheets, without sparsity), for MFU.
-# Matched in order against torch.cuda.get_device_name(); unknown GPUs need --peak-tflops.
-PEAK_BF16_TFLOPS = [
-    (r"H100.*PCIe", 756.0), (r"H100.*NVL", 835.0), (r"H100|H200|GH200", 989.0),
-    (r"B200", 2250.0), (r"A100", 312.0), (r"L40S", 362.0), (r"\bL4\b", 121.0),
-    (r"\bA10\b", 125.0), (r"RTX 4090", 165.0), (r"RTX 3090", 71.0),
-]
-
-
-@dataclass
-class GPTConfig:
-    n_layer: int
-    n_head: int
-    n_embd: int
-    block_size: int        # context length: the longest sequence the model can read
-    vocab_size: int = 0    # the tokenizer's size padded to a multiple of 64 (set at build time)
-
-
-PRESETS = {
-    "124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # GPT-2 small
-    "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256),     # seconds on a CPU
-}
-
+# block_size: the context length; vocab_size: tokens (the embedding is padded to a multiple of 64)
+GPTConfig = collections.namedtuple("GPTConfig", "n_layer n_head n_embd block_size vocab_size", defaults=[50257])
+CHUNK = 128  # rows of logits the loss holds at once (see ChunkedLMHeadLoss)
+PRESETS = {"124m": GPTConfig(12, 12, 768, 1024), "tiny": GPTConfig(4, 4, 128, 256)}
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Lesson 5: train GPT-2 data-parallel. Launch with "
-                                "python gpt2_ddp.py --nproc N (mp.spawn), or under torchrun.")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes to start with mp.spawn (default: one per visible GPU, or 1 "
-                        "on CPU). Not used under torchrun, which sets --nproc_per_node itself")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="model size: 124m = GPT-2 small, tiny = 4 layers x 128 wide (default tiny)")
-    p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"],
-                   help="gpt2: tiktoken's GPT-2 BPE (downloads 2 files once, or reads "
-                        "TIKTOKEN_CACHE_DIR); bytes: one token per byte, no download (default gpt2)")
-    p.add_argument("--text", default=None,
-                   help=f"UTF-8 text file to train on (default: {STORY_FILE} in --data-dir, "
-                        "downloaded when missing)")
-    p.add_argument("--data-dir", default="./data", help="where the default text lives (default ./data)")
-    p.add_argument("--max-length", type=int, default=0,
-                   help="tokens per training window (default: the preset's context length)")
-    p.add_argument("--stride", type=int, default=0,
-                   help="tokens between the starts of two training windows; < max-length overlaps "
-                        "them (default: max-length)")
-    p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="the text's last fraction held out for validation (default 0.1)")
-    p.add_argument("--epochs", type=int, default=10, help="passes over the training windows (default 10)")
-    p.add_argument("--max-steps", type=int, default=0,
-                   help="stop after this many optimizer steps in all (0 = no cap)")
-    p.add_argument("--batch-size", type=int, default=8,
-                   help="windows per micro-batch PER RANK (default 8)")
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per optimizer step; global batch = batch-size x grad-accum "
-                        "x world size windows (default 1)")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default 6e-4)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1,
-                   help="the cosine schedule ends at lr x this (default 0.1)")
-    p.add_argument("--warmup-steps", type=int, default=10,
-                   help="steps of linear lr warm-up (default 10)")
-    p.add_argument("--weight-decay", type=float, default=0.1,
-                   help="AdamW weight decay on matrices and embeddings (default 0.1)")
-    p.add_argument("--grad-clip", type=float, default=1.0,
-                   help="clip the global gradient norm to this (0 = off; default 1.0)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="auto: bf16 autocast on GPUs that support it, fp32 otherwise (default auto)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="torch.compile the DDP model: faster steps after a slow first one (default off)")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="steps between validation + checkpoint (default 0 = after every epoch)")
-    p.add_argument("--log-every", type=int, default=10, help="steps between log lines (default 10)")
-    p.add_argument("--checkpoint-dir", default="./checkpoints",
-                   help="rank 0 saves gpt2.pt here at every validation (default ./checkpoints)")
-    p.add_argument("--bench-steps", type=int, default=0,
-                   help=f"benchmark: after {BENCH_WARMUP} warm-up steps time this many steps, print "
-                        "tokens/s and MFU, and stop (no validation, checkpoint or sample)")
-    p.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="peak FLOP/s per device in TFLOP/s for MFU (default: looked up for known GPUs)")
-    p.add_argument("--generate-tokens", type=int, default=100,
-                   help="tokens rank 0 generates at the end (0 = none; default 100)")
-    p.add_argument("--prompt", default="I had always thought", help="start of the generated sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="seed for init, data order and sampling")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                   help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
+    p = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel (--nproc N, or torchrun)")
+    a = p.add_argument
+    a("--nproc", type=int, help="workers for mp.spawn (default: one per GPU, else 1); not under torchrun")
+    a("--init-from", default="scratch", metavar="scratch|gpt2|PATH", help="random weights (--preset); gpt2[-medium"
+      "|-large|-xl] from the Hugging Face Hub (cached in HF_HOME); or a model.safetensors or its directory")
+    a("--preset", default="tiny", choices=list(PRESETS), help="model size from scratch (default tiny)")
+    a("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="GPT-2's BPE, or bytes (no download)")
+    a("--text", required=True, help="the UTF-8 text file to train on")
+    a("--max-length", type=int, default=0, help="tokens per window (default: the model's context)")
+    a("--stride", type=int, default=0, help="tokens between window starts (default: max-length)")
+    a("--epochs", type=int, default=10, help="passes over the windows; the lr schedule spans them")
+    a("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0 = no cap)")
+    a("--batch-size", type=int, default=8, help="windows per micro-batch PER RANK")
+    a("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    a("--lr", type=float, default=6e-4, help="peak AdamW lr (fine-tuning wants less, e.g. 1e-4)")
+    a("--warmup-steps", type=int, default=10, help="linear warm-up, then cosine decay to lr/10")
+    a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+    a("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
+      help="auto: bf16 on GPUs with real bf16, else fp16 + GradScaler on CUDA; off on CPU")
+    a("--save-every", type=int, default=0, help="steps between validation + checkpoint (0 = each epoch)")
+    a("--checkpoint-dir", default="./checkpoints", help="where gpt2.pt goes")
+    a("--resume", metavar="PATH|auto", help="continue from a checkpoint; auto = DIR/gpt2.pt if it exists")
+    a("--export-hf", metavar="DIR", help="at the end write model.safetensors + config.json for transformers")
+    a("--log-every", type=int, default=10)
+    a("--peak-tflops", type=float, help="the device's peak TFLOP/s (H100 bf16: 989), to print MFU")
+    a("--generate-tokens", type=int, default=100, help="tokens rank 0 samples at the end (0 = none)")
+    a("--prompt", default="I had always thought")
+    a("--seed", type=int, default=0)
+    a("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     args = p.parse_args(argv)
-
-    block = PRESETS[args.preset].block_size
-    args.max_length = args.max_length or block
-    args.stride = args.stride or args.max_length
-    for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_length", "stride"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("max_steps", "warmup_steps", "eval_every", "bench_steps", "generate_tokens",
-                 "top_k", "grad_clip", "weight_decay", "peak_tflops", "temperature"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
-    if args.max_length > block:
-        p.error(f"--max-length {args.max_length} is longer than the {args.preset} context ({block})")
-    if not 0 < args.val_fraction < 1 or args.lr <= 0 or not 0 <= args.min_lr_ratio <= 1:
-        p.error("need 0 < --val-fraction < 1, --lr > 0 and 0 <= --min-lr-ratio <= 1")
-    if not args.prompt:
-        p.error("--prompt must not be empty")
-    if args.nproc is not None:
-        if "RANK" in os.environ:
-            p.error("--nproc starts workers with mp.spawn; under torchrun set --nproc_per_node instead")
-        if args.nproc < 1:
-            p.error("--nproc must be at least 1")
-        if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
-            p.error(f"--nproc {args.nproc} but only {torch.cuda.device_count()} GPUs are visible")
+    least = dict(epochs=1, batch_size=1, accum_steps=1, log_every=1, max_length=0, stride=0, max_steps=0,
+                 warmup_steps=0, save_every=0, clip_grad=0, generate_tokens=0, nproc=1)
+    for k, low in least.items():
+        if getattr(args, k) is not None and getattr(args, k) < low:
+            p.error(f"--{k.replace('_', '-')} must be at least {low}")
     return args
 
-
-# ----------------------------------------------------------------------------- model (GPT-2)
-
-class CausalSelfAttention(nn.Module):
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block; modules named as Hugging Face's, so its weights load by name."""
     def __init__(self, cfg):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        C, self.n_head = cfg.n_embd, cfg.n_head
+        self.ln_1, self.ln_2, self.attn, self.mlp = nn.LayerNorm(C), nn.LayerNorm(C), nn.Module(), nn.Module()
+        self.attn.c_attn, self.attn.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)  # q, k, v in one matmul
+        self.mlp.c_fc, self.mlp.c_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        # is_causal=True builds the mask inside the (flash) kernel. A registered mask buffer would
-        # cost memory and, under DDP, be broadcast from rank 0 before every forward.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's GELU
-
-
-class Block(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
-        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
+        qkv = self.attn.c_attn(self.ln_1(x)).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
+        # is_causal=True masks inside the (flash) kernel. A mask buffer would cost memory and,
+        # under DDP, be broadcast from rank 0 before every forward.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.attn.c_proj(y)
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))  # GPT-2's GELU
 
 class GPT(nn.Module):
-    """GPT-2 (pre-LayerNorm decoder, learned positions, tied input/output embeddings)."""
-
+    """GPT-2: pre-LayerNorm decoder, learned positions, tied input and output embeddings."""
     def __init__(self, cfg):
         super().__init__()
-        self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying: one matrix, counted (and synced) once
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: scale the residual projections by depth
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        self.config, padded = cfg, 64 * math.ceil(cfg.vocab_size / 64)  # faster matmuls
+        self.wte, self.wpe = nn.Embedding(padded, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h, self.ln_f = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)), nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, padded, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one matrix, counted (and all-reduced) once
+        for name, p in self.named_parameters():  # GPT-2's init; residual projections scaled by depth
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02)
 
     def forward(self, idx, targets=None):
-        """With targets: the mean cross-entropy over all positions. Without: the logits of the
-        last position only (all that generation needs)."""
-        T = idx.size(1)
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        """With targets: the mean cross-entropy. Without: the last position's logits (to sample)."""
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.h:
             x = block(x)
         x = self.ln_f(x)
-        if targets is None:
-            return self.lm_head(x[:, -1, :])
-        logits = self.lm_head(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        if targets is not None:
+            return ChunkedLMHeadLoss.apply(x.flatten(0, 1), self.wte.weight, targets.flatten(), self.config.vocab_size)
+        logits = self.lm_head(x[:, -1, :])
+        logits[:, self.config.vocab_size:] = float("-inf")  # padding ids are not tokens
+        return logits
 
-    def num_params(self, non_embedding=True):
-        """Parameters (tied weights once); minus the position table, as nanoGPT counts for MFU."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+    def num_params(self, non_embedding=True):  # tied weights once; without positions, as nanoGPT's MFU
+        return sum(p.numel() for p in self.parameters()) - (self.wpe.weight.numel() if non_embedding else 0)
 
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of x @ weight.T, CHUNK rows at a time: the B*T x 50304 logits never exist
+    whole. The forward also computes both gradients (softmax - one-hot), so backward only scales them."""
+    @staticmethod
+    def forward(ctx, x, weight, targets, n_vocab):
+        grad_x, grad_w, loss = torch.empty_like(x), torch.zeros_like(weight), 0.0
+        for i in range(0, len(x), CHUNK):
+            xi, ti = x[i:i + CHUNK], targets[i:i + CHUNK]
+            logits = (xi @ weight.t()).float()
+            logits[:, n_vocab:] = float("-inf")  # padding ids are not tokens (docs/gpt2.md: why it matters)
+            lse = logits.logsumexp(dim=1)
+            loss = loss + (lse - logits.gather(1, ti[:, None])[:, 0]).sum()
+            if any(ctx.needs_input_grad):  # training: d loss / d logits = softmax - one-hot
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(len(ti), device=ti.device), ti] -= 1
+                grad_x[i:i + CHUNK] = probs.to(x.dtype) @ weight
+                grad_w.addmm_(probs.t().to(x.dtype), xi)
+        ctx.save_for_backward(grad_x / len(x), grad_w / len(x))
+        return loss / len(x)
 
-def flops_per_token(cfg, n_params, seq_len):
-    """Training FLOPs per token (forward + backward), as nanoGPT's estimate_mfu (PaLM appendix B):
-    6 per parameter (2 forward, 4 backward) plus the attention scores and their weighted sum."""
-    head_dim = cfg.n_embd // cfg.n_head
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * head_dim * seq_len
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad, grad_w * grad, None, None
 
+def flops_per_token(cfg, n_params, seq_len):  # as nanoGPT for MFU: 6 per parameter, plus attention
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
 
-def peak_tflops(device, use_bf16, override):
-    """Peak TFLOP/s of one device for MFU: --peak-tflops, else the bf16 table for known GPUs."""
-    if override:
-        return override
-    if device.type == "cuda" and use_bf16:
-        name = torch.cuda.get_device_name(device)
-        for pattern, tflops in PEAK_BF16_TFLOPS:
-            if re.search(pattern, name):
-                return tflops
-    return None  # unknown: the log says "mfu n/a"
+def pretrained(init_from):
+    """The model.safetensors behind --init-from (the Hub caches it in HF_HOME) and its shapes' config."""
+    path = os.path.join(init_from, "model.safetensors") if os.path.isdir(init_from) else init_from
+    if init_from in HUB_MODELS:
+        from huggingface_hub import hf_hub_download
+        try:
+            path = hf_hub_download(f"openai-community/{init_from}", "model.safetensors")
+        except Exception as e:  # offline without a cached copy, proxy, ...
+            fail(f"cannot get openai-community/{init_from} model.safetensors ({type(e).__name__}). Run once "
+                 "with network (it is then cached in HF_HOME), or download it and pass --init-from PATH", 1)
+    if not os.path.isfile(path):
+        fail(f"--init-from {init_from}: want scratch, gpt2 or a model.safetensors (or its directory)")
+    with safe_open(path, "pt") as f:  # reads the header only
+        shape = {k.removeprefix("transformer."): f.get_slice(k).get_shape() for k in f.keys()}
+    n_vocab, n_embd = shape["wte.weight"]
+    config_json = os.path.join(os.path.dirname(path), "config.json")  # no shape says n_head; every
+    n_head = json.load(open(config_json))["n_head"] if os.path.isfile(config_json) else n_embd // 64  # GPT-2: 64
+    n_layer = sum(k.endswith(".ln_1.weight") for k in shape)
+    return path, GPTConfig(n_layer, n_head, n_embd, shape["wpe.weight"][0], n_vocab)
 
+@torch.no_grad()
+def load_hf_weights(model, path):
+    """Hugging Face GPT-2 weights in: Conv1D transposed, padding rows keep their init, masks skipped."""
+    state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+    wte = state.pop("wte.weight")
+    model.wte.weight[:len(wte)] = wte
+    state = {k: v.t() if k.endswith(CONV1D) else v for k, v in state.items()
+             if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) != {"wte.weight", "lm_head.weight"} or unexpected:
+        fail(f"{path} does not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}", code=1)
 
-# ----------------------------------------------------------------------------- tokens and data
-
-class DataError(Exception):
-    """A problem with the text or tokenizer: one error line, exit `code`."""
-
-    def __init__(self, message, code=2):
-        super().__init__(message)
-        self.code = code
-
-
-def bytes_encoding():
-    """A tiktoken Encoding with one token per byte value (0-255) plus <|endoftext|> (256),
-    splitting text with GPT-2's pre-tokenizer pattern. No merges, so no download."""
-    try:
-        from tiktoken_ext.openai_public import r50k_pat_str as pat_str  # GPT-2's pattern
-    except ImportError:
-        pat_str = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    return tiktoken.Encoding(name="bytes", pat_str=pat_str,
-                             mergeable_ranks={bytes([b]): b for b in range(256)},
-                             special_tokens={"<|endoftext|>": 256})
-
+def export_hf(model, out_dir):
+    """model.safetensors + config.json that transformers.GPT2LMHeadModel.from_pretrained reads."""
+    c = model.config
+    state = {k: (v.t() if k.endswith(CONV1D) else v).contiguous().cpu()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state["wte.weight"] = state["wte.weight"][:c.vocab_size].contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+                   "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+                   "bos_token_id": c.vocab_size - 1, "eos_token_id": c.vocab_size - 1}, f)  # <|endoftext|>
 
 def load_tokenizer(name):
-    if name == "bytes":
-        return bytes_encoding()
+    if name == "bytes":  # 256 byte tokens + <|endoftext|>, GPT-2's pre-tokenizer, no merges
+        from tiktoken_ext.openai_public import r50k_pat_str
+        return tiktoken.Encoding(name="bytes", pat_str=r50k_pat_str, special_tokens={"<|endoftext|>": 256},
+                                 mergeable_ranks={bytes([b]): b for b in range(256)})
     try:
-        return tiktoken.get_encoding("gpt2")  # vocab.bpe + encoder.json, cached after one download
-    except Exception as e:  # offline, proxy, bad cache ...
-        reason = " ".join(str(e).split())[:150] or type(e).__name__
-        raise DataError(f"cannot load tiktoken's gpt2 BPE files ({type(e).__name__}: {reason}). "
-                        "Offline: copy a filled cache and export TIKTOKEN_CACHE_DIR (see "
-                        f"tests/gpt2_bpe_cache.sh), or use no BPE: {OFFLINE_HINT}", code=1) from None
-
-
-def text_path(args):
-    """--text, or the default story in --data-dir (downloaded once, atomically)."""
-    if args.text:
-        if not os.path.isfile(args.text):
-            raise DataError(f"--text {args.text} is not a file")
-        return args.text
-    path = os.path.join(args.data_dir, STORY_FILE)
-    if not os.path.isfile(path):
-        try:
-            os.makedirs(args.data_dir, exist_ok=True)
-            with urllib.request.urlopen(STORY_URL, timeout=30) as r:
-                data = r.read()
-            with open(f"{path}.tmp{os.getpid()}", "wb") as f:
-                f.write(data)
-            os.replace(f"{path}.tmp{os.getpid()}", path)
-        except Exception as e:  # offline, proxy, read-only disk ...
-            reason = " ".join(str(e).split())[:150] or type(e).__name__
-            raise DataError(f"cannot download the default text {STORY_URL} into {args.data_dir} "
-                            f"({reason}). Offline, train on any text file: {OFFLINE_HINT}",
-                            code=1) from None
-    return path
-
+        return tiktoken.get_encoding("gpt2")  # 2 files, cached in TIKTOKEN_CACHE_DIR after one download
+    except Exception as e:
+        fail(f"cannot load tiktoken's gpt2 files ({type(e).__name__}). Offline: export TIKTOKEN_CACHE_DIR "
+             "to a filled cache (tests/gpt2_bpe_cache.sh), or use --tokenizer bytes", code=1)
 
 def prepare(args, world_size):
-    """Read and tokenize the text once; split it; check there is at least a batch per rank.
-    Returns plain tensors and numbers (they travel to the workers through mp.spawn or a
-    broadcast). Raises DataError."""
-    path = text_path(args)
-    enc = load_tokenizer(args.tokenizer)
-    with open(path, encoding="utf-8", errors="replace") as f:
+    """Once per job (spawn parent, or torchrun's rank 0): config, weights, resume decision, tokens."""
+    init, cfg = pretrained(args.init_from) if args.init_from != "scratch" else (None, PRESETS[args.preset])
+    if not os.path.isfile(args.text):
+        fail(f"--text {args.text} is not a file")
+    enc, source = load_tokenizer(args.tokenizer), os.path.basename(args.text)
+    if init and cfg.vocab_size != enc.n_vocab:  # GPT-2's weights read GPT-2's token ids
+        fail(f"--init-from {args.init_from} has {cfg.vocab_size} tokens, --tokenizer {args.tokenizer} {enc.n_vocab}")
+    cfg = cfg._replace(vocab_size=enc.n_vocab)
+    args.max_length = args.max_length or cfg.block_size
+    args.stride = args.stride or args.max_length
+    if args.max_length > cfg.block_size:
+        fail(f"--max-length {args.max_length} exceeds the model's context ({cfg.block_size})")
+    resume = os.path.join(args.checkpoint_dir, "gpt2.pt") if args.resume == "auto" else args.resume
+    with open(args.text, encoding="utf-8", errors="replace") as f:
         tokens = torch.tensor(enc.encode_ordinary(f.read()), dtype=torch.long)
-    n_val = int(len(tokens) * args.val_fraction)
-    train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
-    need = args.max_length + 1  # a window plus the one-token shift
-    if len(val) < need or len(train) < need:
-        raise DataError(f"{path} has {len(tokens)} tokens: too few for windows of --max-length "
-                        f"{args.max_length} in both the training part ({len(train)}) and the "
-                        f"validation part ({len(val)}). Use a longer text, a smaller --max-length "
-                        "or a larger --val-fraction")
-    n_windows = len(TokenWindows(train, args.max_length, args.stride))
-    per_rank = math.ceil(n_windows / world_size)  # what DistributedSampler gives each rank
-    if per_rank < args.batch_size:
-        raise DataError(f"{n_windows} training windows over {world_size} ranks is {per_rank} per "
-                        f"rank, less than one batch of --batch-size {args.batch_size}. Use a "
-                        "smaller --batch-size, --stride or --max-length, or a longer text")
-    return {"train": train, "val": val, "n_vocab": enc.n_vocab, "tokenizer": args.tokenizer,
-            "source": os.path.basename(path)}
-
+    train, val = tokens[:len(tokens) - len(tokens) // 10], tokens[len(tokens) - len(tokens) // 10:]  # last 10%
+    per_rank = math.ceil(len(TokenWindows(train, args.max_length, args.stride)) / world_size)
+    if min(len(train), len(val)) <= args.max_length or per_rank < args.batch_size:
+        fail(f"{source}: {len(train)} training and {len(val)} validation tokens are too few for {world_size} ranks x "
+             f"{args.batch_size} windows of {args.max_length}: lower --max-length, --stride or --batch-size")
+    return {"train": train, "val": val, "tokenizer": args.tokenizer, "source": source, "config": cfg._asdict(),
+            "init": init, "resume": None if args.resume == "auto" and not os.path.isfile(resume) else resume,
+            "max_length": args.max_length, "stride": args.stride}
 
 class TokenWindows(Dataset):
-    """Sliding windows over one token stream: window i starts at i * stride; its targets are its
-    inputs shifted left by one token. A window ends before the stream does (no padding)."""
-
+    """Window i starts at i * stride; its targets are its inputs shifted left by one token."""
     def __init__(self, tokens, max_length, stride):
         self.tokens, self.max_length = tokens, max_length
         self.starts = range(0, len(tokens) - max_length, stride)  # start + max_length < len
@@ -364,312 +245,198 @@ class TokenWindows(Dataset):
         return len(self.starts)
 
     def __getitem__(self, i):
-        s = self.starts[i]
-        chunk = self.tokens[s:s + self.max_length + 1]
+        chunk = self.tokens[self.starts[i]:self.starts[i] + self.max_length + 1]
         return chunk[:-1], chunk[1:]
 
-
 def build_loaders(train_set, val_set, rank, world_size, batch_size, seed, pin_memory=False):
-    """DDP: training windows through a DistributedSampler (a fresh shuffle every epoch via
-    set_epoch, equal shard sizes so every rank takes the same number of steps; when the count
-    does not divide, it repeats a few windows). Validation windows: rank r takes r, r+W, ... -
-    disjoint, complete, no repeats, so the all-reduced loss is exact."""
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed)
-    # drop_last: every step sees a full batch, so compiled graphs keep one shape.
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
-                              pin_memory=pin_memory)
+    # DDP: the sampler gives every rank as many windows; validation windows r, r+W, ... (no padding: exact)
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    train_loader = DataLoader(train_set, batch_size, sampler=sampler, drop_last=True, pin_memory=pin_memory)
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(val_shard, batch_size=batch_size, pin_memory=pin_memory)
-    return train_loader, sampler, val_loader
+    return train_loader, sampler, DataLoader(val_shard, batch_size, pin_memory=pin_memory)
 
-
-def batches(loader, sampler, epoch=0):
-    """Endless stream of (epoch, inputs, targets); an optimizer step may span two epochs."""
+def batches(loader, sampler, epoch=0, skip=0):
+    """Endless (epoch, inputs, targets), from batch `skip` of `epoch` on (a resumed run)."""
     while True:
-        sampler.set_epoch(epoch)  # DDP: without this every epoch repeats epoch 0's order
-        for x, y in loader:
-            yield epoch, x, y
-        epoch += 1
-
-
-# ----------------------------------------------------------------------------- training
+        sampler.set_epoch(epoch)  # DDP: without it every epoch repeats epoch 0's order
+        for i, (x, y) in enumerate(loader):
+            if i >= skip:
+                yield epoch, x, y
+        epoch, skip = epoch + 1, 0
 
 def lr_at(step, args, total_steps):
-    """Linear warm-up to --lr, then cosine decay to lr x --min-lr-ratio at the last step."""
+    """Linear warm-up to --lr, then cosine decay to lr / 10 at the last step."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
+def build(args, ddp, data):
+    """Model (scratch, pretrained or resumed) in DDP, AdamW, AMP choice, GradScaler (fp16), state."""
+    cuda = ddp.device.type == "cuda"
+    real_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)  # a T4 only emulates it
+    amp = {"auto": "bf16" if real_bf16 else "fp16" if cuda else "off"}.get(args.amp, args.amp)
+    if (amp == "fp16" and not cuda) or (amp == "bf16" and cuda and not real_bf16):
+        fail(f"--amp {amp} is not for this device: use --amp auto or off", rank0_only=True)
+    set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP broadcasts them too)
+    model = GPT(GPTConfig(**data["config"]))
+    if data["init"] and not data["resume"]:  # every rank loads; another node fetches its own copy
+        load_hf_weights(model, data["init"] if os.path.isfile(data["init"]) else pretrained(args.init_from)[0])
+    model.to(ddp.device)
+    decay = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(decay, lr=args.lr, betas=(0.9, 0.95), fused=cuda)
+    scaler = torch.amp.GradScaler(ddp.device.type, enabled=amp == "fp16")
+    state = {"step": 0, "val_losses": []}
+    if data["resume"]:  # every rank, before the DDP wrap; read on the CPU, copied into place
+        state = load_checkpoint(data["resume"], "cpu", model=model, optimizer=optimizer, scaler=scaler)
+        print0(f"resume: {data['resume']} at step {state['step']}")
+    # DDP: gradients are all-reduced in buckets during backward; gradient_as_bucket_view makes each
+    # .grad a view into its bucket, so gradients are not held twice.
+    ddp_model = DDP(model, device_ids=[ddp.device.index] if cuda else None, gradient_as_bucket_view=True)
+    return model, ddp_model, optimizer, scaler, amp, state
 
-def make_optimizer(model, args, on_gpu):
-    """AdamW with weight decay on matrices and embeddings only (not biases, LayerNorm gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one CUDA kernel for the whole update instead of several per parameter.
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=on_gpu)
-
+def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast):
+    """One optimizer step over the micro-batches; returns their loss (left on the device)."""
+    total = 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        # DDP: all-reduce only after the last micro-batch; before it, gradients accumulate locally.
+        with nullcontext() if i == len(micro_batches) - 1 else ddp_model.no_sync(), autocast:
+            loss = ddp_model(x, y) / len(micro_batches)
+        scaler.scale(loss).backward()
+        total += loss.detach()
+    if clip_grad:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(ddp_model.module.parameters(), clip_grad)  # same on every rank
+    scaler.step(optimizer)
+    scaler.update()
+    # DDP: zero in place. set_to_none=True drops the bucket views: autograd would allocate a new
+    # .grad every step and DDP copy it into the bucket, the copy gradient_as_bucket_view saves.
+    optimizer.zero_grad(set_to_none=False)
+    return total
 
 @torch.no_grad()
 def evaluate(model, val_loader, ddp, autocast):
-    """Exact validation loss per token over all ranks: each rank sums its windows' losses, the
-    sums and counts are all-reduced. `model` is the bare model: no DDP hooks, so ranks with
-    different numbers of batches cannot deadlock."""
+    """Exact loss per token (sums all-reduced), on the bare model: no DDP hooks, no deadlock."""
     model.eval()
-    loss_sum, count = torch.zeros((), device=ddp.device, dtype=torch.float64), 0
+    totals = torch.zeros(2, device=ddp.device, dtype=torch.float64)
     for x, y in val_loader:
-        x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
         with autocast:
-            loss = model(x, y)  # mean over the batch's tokens
-        loss_sum += loss.double() * y.numel()
-        count += y.numel()
-    totals = torch.stack([loss_sum, torch.tensor(float(count), device=ddp.device, dtype=torch.float64)])
-    dist.all_reduce(totals)  # DDP: sum every rank's loss sum and token count
+            totals[0] += model(x.to(ddp.device), y.to(ddp.device)).double() * y.numel()
+        totals[1] += y.numel()
+    dist.all_reduce(totals)  # DDP: every rank's sums
     model.train()
     return (totals[0] / totals[1]).item()
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def mean_over_ranks(t, world_size):
-    """The global mean of a per-rank scalar (for the log line; all ranks must call it)."""
-    dist.all_reduce(t)  # DDP: SUM; gloo has no AVG
-    return t.item() / world_size
-
-
 def train(args, ddp, data):
-    """Train on this rank. Returns the bare model and a dict of results."""
-    on_gpu = ddp.device.type == "cuda"
-    use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and on_gpu and torch.cuda.is_bf16_supported())
-    autocast = torch.autocast(ddp.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    torch.set_float32_matmul_precision("high")  # GPUs: fp32 matmuls (outside autocast) use TF32
-    set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP also broadcasts them)
-
-    cfg = PRESETS[args.preset]
-    cfg = GPTConfig(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size,
-                    vocab_size=64 * math.ceil(data["n_vocab"] / 64))  # 50257 -> 50304: faster matmuls
-    model = GPT(cfg).to(ddp.device)
-    # DDP: wrap the model; gradients are all-reduced (averaged) in buckets during backward.
-    # gradient_as_bucket_view: the .grad tensors live inside the buckets (no second copy).
-    ddp_model = DDP(model, device_ids=[ddp.device.index] if on_gpu else None,
-                    gradient_as_bucket_view=True)
-    # DDP first, then compile: Dynamo splits the graph at bucket boundaries so the all-reduce
-    # still overlaps with the backward. With one process there is nothing to overlap, and one
-    # graph launches faster (H100, 124m, batch 8: 25.6 instead of 34.8 ms/step).
-    if args.compile and ddp.world_size == 1:
-        torch._dynamo.config.optimize_ddp = False
-    step_model = torch.compile(ddp_model) if args.compile else ddp_model
-    optimizer = make_optimizer(model, args, on_gpu)
-
-    train_set = TokenWindows(data["train"], args.max_length, args.stride)
-    val_set = TokenWindows(data["val"], args.max_length, args.max_length)  # each token once
-    train_loader, sampler, val_loader = build_loaders(
-        train_set, val_set, ddp.rank, ddp.world_size, args.batch_size, args.seed, pin_memory=on_gpu)
-    stream = batches(train_loader, sampler)
-
-    steps_per_epoch = max(1, len(train_loader) // args.grad_accum)
-    total_steps = args.epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    if args.bench_steps:
-        total_steps = BENCH_WARMUP + args.bench_steps
-    eval_every = args.eval_every or steps_per_epoch
-    tokens_per_step = args.batch_size * args.max_length * args.grad_accum * ddp.world_size
-    n_params = model.num_params()
-    fpt = flops_per_token(cfg, n_params, args.max_length)
-    peak = peak_tflops(ddp.device, use_bf16, args.peak_tflops)
-
-    def mfu(tokens_per_s):  # tokens/s is global; MFU is per device
-        return f"{100 * fpt * tokens_per_s / ddp.world_size / (peak * 1e12):.1f}%" if peak else "n/a"
-
-    print0(f"start: text {data['source']} | tokenizer {data['tokenizer']} ({data['n_vocab']} "
-           f"tokens, padded {cfg.vocab_size}) | tokens {len(data['train'])} train, {len(data['val'])} "
-           f"val | windows {len(train_set)} train, {len(val_set)} val | model {args.preset} "
-           f"{model.num_params(False) / 1e6:.1f}M params | world {ddp.world_size} | backend "
-           f"{ddp.backend} | device {ddp.device.type} | dtype {'bf16' if use_bf16 else 'fp32'} | "
-           f"batch {args.batch_size}x{args.max_length} tokens/rank x {args.grad_accum} accum = "
-           f"{tokens_per_step} tokens/step | steps {total_steps}")
-
-    val_losses = []
-    if not args.bench_steps:
+    """Train on this rank; returns the bare model and the results."""
+    model, ddp_model, optimizer, scaler, amp, state = build(args, ddp, data)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    autocast = torch.autocast(ddp.device.type, dtype=dtype, enabled=dtype is not None)
+    L = data["max_length"]
+    train_set, val_set = TokenWindows(data["train"], L, data["stride"]), TokenWindows(data["val"], L, L)
+    train_loader, sampler, val_loader = build_loaders(train_set, val_set, ddp.rank, ddp.world_size,
+                                                      args.batch_size, args.seed, ddp.device.type == "cuda")
+    per_epoch = len(train_loader) // args.accum_steps
+    schedule = args.epochs * per_epoch  # the lr schedule's length; --max-steps only stops early
+    total, step, val_losses = min(schedule, args.max_steps or schedule), state["step"], state["val_losses"]
+    stream = batches(train_loader, sampler, *divmod(step * args.accum_steps, len(train_loader)))
+    tokens_per_step = args.batch_size * L * args.accum_steps * ddp.world_size
+    fpt, peak = flops_per_token(model.config, model.num_params(), L), args.peak_tflops
+    mfu = lambda rate: f"{100 * fpt * rate / ddp.world_size / (peak * 1e12):.1f}%" if peak else "n/a"
+    print0(f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} | model "
+           f"{model.num_params(False) / 1e6:.1f}M params | world {ddp.world_size} | backend {ddp.backend} | device "
+           f"{ddp.device.type} | amp {amp} | batch {args.batch_size}x{L} tokens/rank x {args.accum_steps} accum = "
+           f"{tokens_per_step} tokens/step | windows {len(train_set)} train | steps {total}")
+    if step == 0:
         val_losses.append([0, evaluate(model, val_loader, ddp, autocast)])
-        print0(f"step 0/{total_steps} | val_loss {val_losses[-1][1]:.4f}")
-
-    step, epoch, t_start = 0, 0, time.perf_counter()
-    t_log, loss_sum, rate = t_start, torch.zeros((), device=ddp.device), 0.0
-    t_bench = None
-    while step < total_steps:
-        lr = lr_at(step, args, total_steps)
+        print0(f"step 0/{total} | val_loss {val_losses[-1][1]:.4f}")
+    t_start = t_log = time.perf_counter()
+    start = logged = step  # logged: the step of the last log line
+    loss_sum, rate = torch.zeros((), device=ddp.device), 0.0
+    while step < total:
         for group in optimizer.param_groups:
-            group["lr"] = lr
-        for micro in range(args.grad_accum):
-            epoch, x, y = next(stream)
-            x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
-            # DDP: all-reduce only on the last micro-batch; before it, gradients just accumulate
-            # locally (no_sync), so accumulation costs one all-reduce per step, not per micro-batch.
-            last = micro == args.grad_accum - 1
-            with (nullcontext() if last else ddp_model.no_sync()), autocast:
-                loss = step_model(x, y) / args.grad_accum
-            loss.backward()
-            loss_sum += loss.detach()  # stays on the device: no host sync per step
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)  # same grads on all ranks
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            group["lr"] = lr = lr_at(step, args, schedule)
+        micro = [next(stream) for _ in range(args.accum_steps)]
+        epoch, micro = micro[0][0], [(x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True))
+                                     for _, x, y in micro]
+        loss_sum += train_step(ddp_model, optimizer, scaler, micro, args.clip_grad, autocast)
         step += 1
-
-        if args.bench_steps and step == BENCH_WARMUP:
-            sync(ddp.device)  # the GPU runs behind the host: wait for it before starting the clock
-            t_bench = time.perf_counter()
-        if step % args.log_every == 0 or step == total_steps:
-            n = (step - 1) % args.log_every + 1
-            train_loss = mean_over_ranks(loss_sum, ddp.world_size) / n  # waits for the device
-            now = time.perf_counter()
+        if step % args.log_every == 0 or step == total:
+            n, now = step - logged, time.perf_counter()
+            dist.all_reduce(loss_sum)  # DDP: for the log line only (gloo has no AVG: sum, then divide)
             rate = n * tokens_per_step / (now - t_log)
-            eta = (total_steps - step) * (now - t_start) / step
-            mem = f" | mem {torch.cuda.max_memory_allocated(ddp.device) / 2**30:.1f}GiB" if on_gpu else ""
-            print0(f"epoch {epoch + 1} | step {step}/{total_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                   f"{rate:.0f} tokens/s | mfu {mfu(rate)}{mem} | eta {datetime.timedelta(seconds=round(eta))}")
-            t_log, loss_sum = now, torch.zeros((), device=ddp.device)
-        if not args.bench_steps and (step % eval_every == 0 or step == total_steps):
-            t_eval = time.perf_counter()
+            mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f}GiB" if ddp.device.type == "cuda" else ""
+            print0(f"epoch {epoch + 1} | step {step}/{total} | loss {loss_sum.item() / n / ddp.world_size:.4f} | "
+                   f"lr {lr:.2e} | {rate:.0f} tokens/s | mfu {mfu(rate)}{mem} | "
+                   f"eta {(total - step) * (now - t_start) / (step - start):.0f}s")
+            t_log, logged, loss_sum = now, step, torch.zeros((), device=ddp.device)
+        if step % (args.save_every or per_epoch) == 0 or step == total:
+            t_pause = time.perf_counter()
             val_losses.append([step, evaluate(model, val_loader, ddp, autocast)])
-            print0(f"epoch {epoch + 1} | step {step}/{total_steps} | val_loss {val_losses[-1][1]:.4f}")
+            print0(f"epoch {epoch + 1} | step {step}/{total} | val_loss {val_losses[-1][1]:.4f}")
             # DDP: save the bare model (no 'module.' prefix); every rank calls, rank 0 writes.
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "config": asdict(cfg), "n_vocab": data["n_vocab"],
-                             "tokenizer": data["tokenizer"], "step": step,
-                             "val_losses": val_losses, "args": vars(args)},
-                            os.path.join(args.checkpoint_dir, "gpt2.pt"))
-            t_log += time.perf_counter() - t_eval  # tokens/s counts training time only
-
-    results = {"steps": step, "tokens_per_s": rate, "mfu": mfu(rate), "val_losses": val_losses,
-               "time": time.perf_counter() - t_start, "use_bf16": use_bf16}
-    if args.bench_steps:
-        sync(ddp.device)
-        dt = time.perf_counter() - t_bench
-        results["tokens_per_s"] = args.bench_steps * tokens_per_step / dt
-        results["mfu"] = mfu(results["tokens_per_s"])
-        mem = f" | mem {torch.cuda.max_memory_allocated(ddp.device) / 2**30:.1f}GiB" if on_gpu else ""
-        print0(f"bench: steps {args.bench_steps} after {BENCH_WARMUP} warm-up | "
-               f"{1000 * dt / args.bench_steps:.1f} ms/step | {results['tokens_per_s']:.0f} tokens/s | "
-               f"mfu {results['mfu']}{mem} | compile {args.compile} | "
-               f"flops/token {fpt / 1e9:.3f}G | peak {peak or 'n/a'} TFLOP/s")
-    return model, results
-
+            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                             "scaler": scaler.state_dict(), "val_losses": val_losses, "config": data["config"],
+                             "tokenizer": data["tokenizer"]}, os.path.join(args.checkpoint_dir, "gpt2.pt"))
+            t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
+    return model, {"steps": step, "tokens_per_s": rate, "mfu": mfu(rate), "val_losses": val_losses,
+                   "time": time.perf_counter() - t_start, "autocast": autocast}
 
 @torch.no_grad()
-def generate(model, prompt_ids, n_tokens, n_vocab, args, device, autocast):
-    """Sample n_tokens after the prompt from the bare model (no DDP: nothing collective)."""
+def generate(model, prompt_ids, n_tokens, device, autocast, seed=0, temperature=0.8, top_k=50):
+    """Sample after the prompt from the bare model (no DDP: nothing collective)."""
     model.eval()
-    g = torch.Generator(device=device).manual_seed(args.seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     for _ in range(n_tokens):
         with autocast:
-            logits = model(idx[:, -model.config.block_size:]).float()
-        logits[:, n_vocab:] = -float("inf")  # the padding ids are not tokens
-        if args.temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / args.temperature
-            if args.top_k:
-                kth = torch.topk(logits, min(args.top_k, n_vocab)).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=g)
-        idx = torch.cat([idx, nxt], dim=1)
+            logits = model(idx[:, -model.config.block_size:]).float() / temperature
+        logits[logits < torch.topk(logits, min(top_k, model.config.vocab_size)).values[:, [-1]]] = -float("inf")
+        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=g)], dim=1)
     return idx[0].tolist()
 
-
-# ----------------------------------------------------------------------------- launch
-
-def share_data(args, ddp):
-    """Under torchrun: rank 0 reads and tokenizes, then broadcasts the tokens (or its error)."""
-    box = [None]
-    if ddp.is_main:
-        try:
-            box = [prepare(args, ddp.world_size)]
-        except DataError as e:
-            box = [("error", str(e), e.code)]
-    dist.broadcast_object_list(box, src=0)  # DDP: every rank gets rank 0's tokens
-    if isinstance(box[0], tuple):
-        cleanup()
-        if ddp.is_main:
-            fail(box[0][1], box[0][2])
-        sys.exit(box[0][2])  # the other ranks leave quietly: rank 0 printed the error
-    return box[0]
-
-
 def worker(rank, world_size, args, data):
-    """One training process. mp.spawn passes rank, world size and the tokens; under torchrun
-    rank and world_size are None (read from the environment) and data comes from rank 0."""
+    """One process. mp.spawn passes rank, world size, data; under torchrun rank 0 prepares them."""
     ddp = setup(args.backend, rank=rank, world_size=world_size)  # DDP: join the process group
     if data is None:
-        data = share_data(args, ddp)
+        box = [prepare(args, ddp.world_size) if ddp.is_main else None]  # a failure here stops torchrun
+        dist.broadcast_object_list(box, src=0)  # DDP: every rank gets rank 0's tokens and decisions
+        data = box[0]
     model, res = train(args, ddp, data)
-    # DDP: every rank leaves the group here, together. Nothing after this line is collective, so
-    # rank 0 can take its time generating while the others have already exited.
+    # DDP: every rank leaves the group here, together. Nothing after this is collective, so rank 0
+    # can export and sample while the others exit (print0 no longer knows the rank: test is_main).
     cleanup()
-    if not ddp.is_main:  # print0 would not work any more: no group, every rank looks like 0
+    if not ddp.is_main:
         return
+    if args.export_hf:
+        export_hf(model, args.export_hf)
     sample = ""
-    if args.generate_tokens and not args.bench_steps:
+    if args.generate_tokens:
         enc = load_tokenizer(data["tokenizer"])
-        autocast = torch.autocast(ddp.device.type, dtype=torch.bfloat16, enabled=res["use_bf16"])
-        ids = generate(model, enc.encode_ordinary(args.prompt), args.generate_tokens,
-                       data["n_vocab"], args, ddp.device, autocast)
+        prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
+        ids = generate(model, prompt, args.generate_tokens, ddp.device, res["autocast"], args.seed)
         print(f"sample:\n{enc.decode(ids)}\n", flush=True)
-        sample = f" | sample {len(ids) - len(enc.encode_ordinary(args.prompt))} tokens"
-    val = f" | val_loss {res['val_losses'][-1][1]:.4f}" if res["val_losses"] else ""
-    print(f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} "
-          f"| backend {ddp.backend} | device {ddp.device.type} | steps {res['steps']}{val} | "
-          f"{res['tokens_per_s']:.0f} tokens/s | mfu {res['mfu']}{sample} | time {res['time']:.1f}s",
-          flush=True)
-
+        sample = f" | sample {len(ids) - len(prompt)} tokens"
+    print(f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} | backend "
+          f"{ddp.backend} | device {ddp.device.type} | steps {res['steps']} | val_loss {res['val_losses'][-1][1]:.4f}"
+          f" | {res['tokens_per_s']:.0f} tokens/s | mfu {res['mfu']}{sample} | time {res['time']:.1f}s", flush=True)
 
 def spawn_workers(args):
-    """mp.spawn launch: tokenize once here, pick the rendezvous port, start the workers, and
-    turn a worker's failure into one error line and a non-zero exit."""
-    nproc = args.nproc or torch.cuda.device_count() or 1
-    try:
-        data = prepare(args, nproc)
-    except DataError as e:
-        fail(str(e), e.code)
-    # DDP: the workers find rank 0 here. One node only: mp.spawn starts local processes.
+    """mp.spawn launch: prepare once here, pick the rendezvous port, start one worker per rank."""
+    nproc = args.nproc or torch.cuda.device_count() or 1  # more than the GPUs: setup() says so
+    data = prepare(args, nproc)
+    # DDP: the workers find rank 0 here (mp.spawn starts local processes: one node).
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
-    # The error line below says what went wrong; torch's "Terminating process ..." warning about
-    # stopping the other workers would only bury it.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    try:
-        # DDP: start nproc processes running worker(rank, nproc, args, data); join=True waits and
-        # kills the rest as soon as one fails.
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the error line says it
+    try:  # DDP: nproc processes run worker(rank, nproc, args, data); one failing stops the rest
         mp.spawn(worker, args=(nproc, args, data), nprocs=nproc, join=True)
-    except mp.ProcessRaisedException as e:  # a Python exception in a worker (traceback in e.msg)
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        fail(f"rank {e.error_index} failed: {lines[-1].strip()[:300]} (run it under torchrun "
-             "--standalone --nproc_per_node=N gpt2_ddp.py to see the traceback)", code=1)
-    except mp.ProcessExitedException as e:
-        if e.exit_code in (1, 2):  # the worker exited through fail(): its error line is printed
-            sys.exit(e.exit_code)
-        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
-        fail(f"rank {e.error_index} {how} (SIGKILL usually means out of memory)", code=1)
-    except KeyboardInterrupt:
-        sys.exit(128 + signal.SIGINT)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    if "RANK" in os.environ:  # started by torchrun (or srun + torchrun): we are one worker
-        worker(None, None, args, None)
-    else:
-        spawn_workers(args)
-
+    except mp.ProcessRaisedException as e:  # a Python exception: its last line, not 40 lines
+        fail(f"rank {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}", code=1)
+    except mp.ProcessExitedException as e:  # exit 1 or 2: it left through fail(), its line is printed
+        sys.exit(e.exit_code) if e.exit_code in (1, 2) else fail(f"rank {e.error_index} died ({e.signal_name})", 1)
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    worker(None, None, args, None) if "RANK" in os.environ else spawn_workers(args)  # RANK: torchrun

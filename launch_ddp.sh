@@ -8,6 +8,8 @@
 #   ./launch_ddp.sh --slurm --nnodes 2 multinode.py             sbatch slurm/train.sbatch
 #
 # Everything after the script name goes to the script. Run ./launch_ddp.sh --help for all options.
+# torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each restart attempt gets a fresh store
+# (docs/multinode.md explains why a restart on several nodes needs it).
 set -euo pipefail
 
 usage() {
@@ -16,8 +18,8 @@ usage: launch_ddp.sh [options] SCRIPT [SCRIPT ARGS...]
 
 Start SCRIPT with torchrun on this node (single node or one node of a multi-node job), or submit
 it to Slurm. Options:
-  --nproc N             processes on this node (default: number of GPUs from nvidia-smi -L,
-                        or 2 on a machine without GPUs)
+  --nproc N             processes on this node (default: the GPUs this process may use, i.e.
+                        nvidia-smi -L limited by CUDA_VISIBLE_DEVICES; 2 CPU processes if none)
   --nnodes N            number of nodes in the job (default 1)
   --node-rank R         static rendezvous: this node's rank, 0..N-1 (node 0 hosts the store)
   --master-addr HOST    static rendezvous: address of node rank 0, reachable from every node
@@ -26,6 +28,8 @@ it to Slurm. Options:
                         c10d rendezvous instead: the same command on every node; node ranks are
                         handed out as nodes join (HOST is one of the nodes; default port 29400)
   --rdzv-id ID          c10d rendezvous id, the same on every node of one job (default ddp-course)
+  --max-restarts N      torchrun restarts the workers up to N times after a failure (default 0);
+                        pass --resume auto to the script so that they continue from the snapshot
   --slurm               submit with sbatch slurm/train.sbatch (one torchrun per node);
                         --nnodes sets --nodes, --nproc sets NPROC_PER_NODE
   --slurm-srun          submit with sbatch slurm/train_srun.sbatch (one srun task per GPU,
@@ -44,6 +48,7 @@ need_value() { [[ $# -ge 2 && -n $2 ]] || die "$1 needs a value (see --help)"; }
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
 
 NPROC="" NNODES=1 NODE_RANK="" MASTER_ADDR_ARG="" MASTER_PORT_ARG=29500 RDZV_ENDPOINT="" RDZV_ID=ddp-course
+MAX_RESTARTS=0
 MODE=torchrun DEBUG=0 DRY_RUN=0 PORT_SET=0 NNODES_SET=0
 while [[ $# -gt 0 ]]; do
     case $1 in
@@ -55,6 +60,7 @@ while [[ $# -gt 0 ]]; do
         --master-port|--master_port) need_value "$@"; MASTER_PORT_ARG=$2; PORT_SET=1; shift 2 ;;
         --rdzv-endpoint|--rdzv_endpoint) need_value "$@"; RDZV_ENDPOINT=$2; shift 2 ;;
         --rdzv-id|--rdzv_id) need_value "$@"; RDZV_ID=$2; shift 2 ;;
+        --max-restarts|--max_restarts) need_value "$@"; MAX_RESTARTS=$2; shift 2 ;;
         --slurm) MODE=slurm; shift ;;
         --slurm-srun) MODE=slurm-srun; shift ;;
         --debug) DEBUG=1; shift ;;
@@ -70,6 +76,7 @@ is_uint "$NNODES" && [[ $NNODES -ge 1 ]] || die "--nnodes must be a whole number
 if [[ -n $NPROC ]]; then
     is_uint "$NPROC" && [[ $NPROC -ge 1 ]] || die "--nproc must be a whole number >= 1, not '$NPROC'"
 fi
+is_uint "$MAX_RESTARTS" || die "--max-restarts must be a whole number >= 0, not '$MAX_RESTARTS'"
 is_uint "$MASTER_PORT_ARG" && [[ $MASTER_PORT_ARG -ge 1 && $MASTER_PORT_ARG -le 65535 ]] \
     || die "--master-port must be a port number 1..65535, not '$MASTER_PORT_ARG'"
 SCRIPT=$1; shift
@@ -98,8 +105,12 @@ if [[ $MODE != torchrun ]]; then
     OPTS=()   # only what you gave overrides the #SBATCH lines of the script
     [[ $NNODES_SET == 1 ]] && OPTS+=(--nodes="$NNODES")
     if [[ $MODE == slurm ]]; then
-        CMD=(sbatch "${OPTS[@]}" ${NPROC:+--export=ALL,NPROC_PER_NODE=$NPROC} "$HERE/slurm/train.sbatch")
+        EXPORT=ALL${NPROC:+,NPROC_PER_NODE=$NPROC}
+        [[ $MAX_RESTARTS == 0 ]] || EXPORT+=,MAX_RESTARTS=$MAX_RESTARTS
+        [[ $EXPORT == ALL ]] || OPTS+=(--export="$EXPORT")
+        CMD=(sbatch "${OPTS[@]}" "$HERE/slurm/train.sbatch")
     else
+        [[ $MAX_RESTARTS == 0 ]] || die "--max-restarts needs torchrun: use --slurm, not --slurm-srun"
         CMD=(sbatch "${OPTS[@]}" ${NPROC:+--ntasks-per-node=$NPROC} "$HERE/slurm/train_srun.sbatch")
     fi
     CMD+=("$SCRIPT" "$@")
@@ -108,10 +119,21 @@ if [[ $MODE != torchrun ]]; then
 fi
 
 if [[ -z $NPROC ]]; then
+    # nvidia-smi lists every GPU of the machine; CUDA_VISIBLE_DEVICES may allow only some ("0,1"),
+    # or none (empty). One process per GPU this process may use.
     NPROC=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+    if [[ -v CUDA_VISIBLE_DEVICES ]]; then
+        IFS=, read -ra VISIBLE <<<"$CUDA_VISIBLE_DEVICES"
+        [[ ${#VISIBLE[@]} -lt $NPROC ]] && NPROC=${#VISIBLE[@]}
+    fi
     [[ $NPROC -ge 1 ]] || NPROC=2   # no GPU: 2 CPU processes (gloo) to see DDP at work
 fi
 if command -v torchrun >/dev/null; then TORCHRUN=(torchrun); else TORCHRUN=("${PYTHON:-python}" -m torch.distributed.run); fi
+# A fresh store for each restart attempt: with torchrun's default (one store shared by all
+# attempts) a restart on several nodes can hang (docs/multinode.md).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+echo "+ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" >&2
+[[ $MAX_RESTARTS == 0 ]] || TORCHRUN+=(--max-restarts="$MAX_RESTARTS")
 
 if [[ $NNODES == 1 ]]; then
     [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT ]] \

@@ -1,10 +1,10 @@
 """Lesson 3: snapshot training that survives a killed worker.
 
-    torchrun --standalone --nproc_per_node=4 --max-restarts=3 multi_gpu_torchrun.py 50 10
+    torchrun --standalone --nproc_per_node=4 --max-restarts=3 multi_gpu_torchrun.py --epochs 10
 
-    TOTAL_EPOCHS=50, SAVE_EVERY=10: a snapshot every 10 epochs (add --save-every-steps N to also
-    save every N steps). Try --fail-at-step 100: rank 1 kills itself with SIGKILL at step 100
-    (once per snapshot path), torchrun restarts the workers and they resume from the snapshot.
+    A snapshot (CHECKPOINT_DIR/snapshot.pt) at every epoch end, and every N optimizer steps with
+    --save-every N. Try --fail-at-step 100: rank 1 kills itself with SIGKILL at step 100 (once
+    per checkpoint dir), torchrun restarts the workers and they resume from the snapshot.
 
 When one process of a DDP job dies (out of memory, a lost node, a preempted instance, kill -9)
 the others cannot go on: every step all-reduces with everyone. torchrun's answer is to stop all
@@ -39,20 +39,20 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, set_seed, setup
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Lesson 3: DDP training that saves snapshots and resumes after torchrun "
                     "restarts a failed worker. Launch with: torchrun --standalone "
-                    "--nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py TOTAL_EPOCHS SAVE_EVERY")
-    p.add_argument("total_epochs", type=int, metavar="TOTAL_EPOCHS", help="epochs to train in all")
-    p.add_argument("save_every", type=int, metavar="SAVE_EVERY", help="save a snapshot every N epochs")
+                    "--nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py --epochs 10")
+    p.add_argument("--epochs", type=int, default=10, help="epochs to train in all (default 10)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="samples per step PER RANK; the global batch is this x world size (default 32)")
-    p.add_argument("--snapshot-path", default="checkpoints/snapshot.pt",
-                   help="snapshot to resume from if it exists, and to save to; on a multi-node job "
-                        "it must be on a file system every node sees (default checkpoints/snapshot.pt)")
-    p.add_argument("--save-every-steps", type=int, default=0,
-                   help="also save every N optimizer steps (0 = only every SAVE_EVERY epochs)")
+    p.add_argument("--checkpoint-dir", default="./checkpoints",
+                   help="holds snapshot.pt: resumed from whenever it exists (that is how restarted "
+                        "workers find their place), saved to as training goes. On several nodes it "
+                        "must be a file system every node sees (default ./checkpoints)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also snapshot every N optimizer steps (0 = only at epoch ends)")
     p.add_argument("--samples", type=int, default=4096, help="size of the generated training set")
     p.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
@@ -60,19 +60,18 @@ def parse_args():
     p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                    help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
     p.add_argument("--fail-at-step", type=int, default=0,
-                   help="demo: --fail-rank kills itself with SIGKILL after step N, once per snapshot "
-                        "path (a marker file SNAPSHOT.failed remembers it); 0 = never")
+                   help="demo: --fail-rank kills itself with SIGKILL after step N, once per "
+                        "checkpoint dir (a marker file snapshot.pt.failed remembers it); 0 = never")
     p.add_argument("--fail-rank", type=int, default=1, help="global rank that --fail-at-step kills (default 1)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="demo: sleep this many seconds after each step, to leave time to kill a worker by hand")
     # Under torchrun every rank parses the arguments: only rank 0 prints the mistake, once.
     p.error = lambda message: fail(message) if os.environ.get("RANK", "0") == "0" else sys.exit(2)
-    args = p.parse_args()
-    for name in ("TOTAL_EPOCHS", "SAVE_EVERY", "--batch-size", "--samples", "--hidden"):
-        value = getattr(args, name.strip("-").replace("-", "_").lower())
-        if value < 1:
-            p.error(f"{name} must be at least 1, got {value}")
-    for name in ("save_every_steps", "fail_at_step", "fail_rank", "step_delay"):
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "samples", "hidden"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("save_every", "fail_at_step", "fail_rank", "step_delay"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.lr <= 0:
@@ -80,6 +79,7 @@ def parse_args():
     world = os.environ.get("WORLD_SIZE", "")
     if args.fail_at_step and world.isdigit() and args.fail_rank >= int(world):
         p.error(f"--fail-rank {args.fail_rank} does not exist: ranks are 0..{int(world) - 1}")
+    args.snapshot = os.path.join(args.checkpoint_dir, "snapshot.pt")
     return args
 
 
@@ -114,6 +114,8 @@ class Trainer:
     def __init__(self, args, ddp, train_set):
         self.args, self.ddp, self.train_set = args, ddp, train_set
         self.on_gpu = ddp.device.type == "cuda"
+        # bf16 autocast where the GPU really has bf16 (no loss scaling needed); fp32 elsewhere.
+        self.bf16 = self.on_gpu and torch.cuda.is_bf16_supported(including_emulation=False)
         set_seed(args.seed)  # the same initial weights on every rank
         model = make_model(args.hidden).to(ddp.device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
@@ -121,15 +123,15 @@ class Trainer:
         self.sampler = DistributedSampler(train_set, num_replicas=ddp.world_size, rank=ddp.rank,
                                           shuffle=True, seed=args.seed)
         self.steps_per_epoch = -(-len(self.sampler) // args.batch_size)
-        self.total_steps = args.total_epochs * self.steps_per_epoch
+        self.total_steps = args.epochs * self.steps_per_epoch
         self.epoch = self.batch = 0
         self.history = {"starts": [], "losses": []}  # (restart, step) of every start; epoch losses
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # DDP: set by torchrun
         self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
         if ddp.is_main:  # a save killed half-way leaves its temp file behind: tidy up
-            for leftover in glob.glob(glob.escape(args.snapshot_path) + ".tmp*"):
+            for leftover in glob.glob(glob.escape(args.snapshot) + ".tmp*"):
                 os.remove(leftover)
-        if os.path.exists(args.snapshot_path):
+        if os.path.exists(args.snapshot):
             self._load_snapshot(model)
         else:
             set_seed(args.seed, ddp.rank)  # per-rank randomness (dropout) from here on
@@ -142,7 +144,8 @@ class Trainer:
 
     def _load_snapshot(self, model):
         a, ddp = self.args, self.ddp
-        snap = load_checkpoint(a.snapshot_path, ddp.device, model=model, optimizer=self.optimizer)
+        # To the CPU first: load_state_dict copies each tensor to its parameter's device.
+        snap = load_checkpoint(a.snapshot, "cpu", model=model, optimizer=self.optimizer)
         self.epoch, self.batch, self.history = snap["epoch"], snap["batch"], snap["history"]
         if (snap["world_size"], snap["batch_size"]) == (ddp.world_size, a.batch_size):
             # DDP: each rank takes back its own RNG state (rank 1's dropout is not rank 0's).
@@ -155,7 +158,7 @@ class Trainer:
                    f"{self.epoch + 1} restarts from its first batch and the RNG is reseeded")
             self.batch = 0
             set_seed(a.seed + 1000 * (self.restart + 1), ddp.rank)
-        print0(f"resumed: {a.snapshot_path} | epoch {self.epoch + 1}/{a.total_epochs} | batch "
+        print0(f"resumed: {a.snapshot} | epoch {self.epoch + 1}/{a.epochs} | batch "
                f"{self.batch}/{self.steps_per_epoch} | step {self.step}/{self.total_steps} | "
                f"restart {self.restart}/{self.max_restarts}")
 
@@ -167,14 +170,14 @@ class Trainer:
                     "optimizer": self.optimizer.state_dict(), "epoch": self.epoch,
                     "batch": self.batch, "step": self.step, "rng": rngs, "history": self.history,
                     "world_size": self.ddp.world_size, "batch_size": self.args.batch_size}
-        save_checkpoint(snapshot, self.args.snapshot_path)  # DDP: every rank calls; rank 0 writes
-        print0(f"saved: {self.args.snapshot_path} | epoch {self.epoch + 1 if self.batch else self.epoch}"
-               f"/{self.args.total_epochs} | step {self.step}/{self.total_steps}")
+        save_checkpoint(snapshot, self.args.snapshot)  # DDP: every rank calls; rank 0 writes
+        print0(f"saved: {self.args.snapshot} | epoch {self.epoch + 1 if self.batch else self.epoch}"
+               f"/{self.args.epochs} | step {self.step}/{self.total_steps}")
 
     def _maybe_fail(self):
         """--fail-at-step: die like a real crash would (SIGKILL: no exception, no cleanup)."""
         a = self.args
-        marker = a.snapshot_path + ".failed"
+        marker = a.snapshot + ".failed"
         if self.step != a.fail_at_step or self.ddp.rank != a.fail_rank or os.path.exists(marker):
             return
         with open(marker, "w") as f:  # remember, so the restarted worker does not die again
@@ -186,7 +189,7 @@ class Trainer:
 
     def _run_batch(self, x, y):
         x, y = x.to(self.ddp.device, non_blocking=True), y.to(self.ddp.device, non_blocking=True)
-        with torch.autocast(self.ddp.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
+        with torch.autocast(self.ddp.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = self.model(x)
         loss = F.mse_loss(out.float(), y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -211,8 +214,8 @@ class Trainer:
             self._maybe_fail()
             if a.step_delay:
                 time.sleep(a.step_delay)
-            if (a.save_every_steps and self.step % a.save_every_steps == 0
-                    and self.batch < self.steps_per_epoch):  # the epoch's end saves below
+            if (a.save_every and self.step % a.save_every == 0
+                    and self.batch < self.steps_per_epoch):  # the epoch's end saves anyway
                 self._save_snapshot()
         self.epoch, self.batch = self.epoch + 1, 0
         totals = torch.stack([loss_sum, torch.tensor(float(n), device=ddp.device)])
@@ -223,18 +226,16 @@ class Trainer:
         a = self.args
         self.history["starts"].append([self.restart, self.step])
         t_start, start_step = time.perf_counter(), self.step
-        while self.epoch < a.total_epochs:
+        while self.epoch < a.epochs:
             t0 = time.perf_counter()
             loss, n = self._run_epoch()
             self.history["losses"].append(loss)
             now = time.perf_counter()
             eta = (self.total_steps - self.step) * (now - t_start) / max(1, self.step - start_step)
-            print0(f"epoch {self.epoch}/{a.total_epochs} | step {self.step}/{self.total_steps} | "
+            print0(f"epoch {self.epoch}/{a.epochs} | step {self.step}/{self.total_steps} | "
                    f"loss {loss:.4f} | {n * a.batch_size * self.ddp.world_size / (now - t0):.0f} samples/s"
                    f" | eta {datetime.timedelta(seconds=round(eta))}")
-            if (self.epoch % a.save_every == 0 or self.epoch == a.total_epochs
-                    or (a.save_every_steps and self.step % a.save_every_steps == 0)):
-                self._save_snapshot()
+            self._save_snapshot()  # every epoch end: a restart loses at most one epoch
         return time.perf_counter() - t_start, self.step - start_step
 
 
@@ -265,7 +266,7 @@ def main():
         fail(f"rank {ddp.rank} lost the other ranks at step {trainer.step} "
              f"({reason}). torchrun restarts all workers if restarts are left "
              f"({trainer.restart} of --max-restarts={trainer.max_restarts} used); they resume from "
-             f"{args.snapshot_path}", code=1)
+             f"{args.snapshot}", code=1)
     losses = trainer.history["losses"]
     print0(f"done: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
            f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1] if losses else float('nan'):.4f} "

@@ -8,17 +8,19 @@ small classifier on generated data with snapshots, resuming from the last one li
 
 Three ways to start it on 2 nodes with 4 GPUs each (world size 8):
 
-  # 1. torchrun on each node, static rendezvous: you number the nodes yourself
+  # 1. torchrun on each node, c10d rendezvous: the same command everywhere, node ranks handed
+  #    out; with restarts, give torchrun a fresh store per attempt (see docs/multinode.md)
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d \
+      --rdzv-endpoint=HOST0:29400 --rdzv-id=run1 --max-restarts=1 multinode.py --resume auto
+  # 2. torchrun on each node, static rendezvous: you number the nodes yourself
   torchrun --nnodes=2 --nproc_per_node=4 --node_rank=0 --master_addr=HOST0 --master_port=29500 multinode.py
   torchrun --nnodes=2 --nproc_per_node=4 --node_rank=1 --master_addr=HOST0 --master_port=29500 multinode.py
-  # 2. torchrun on each node, c10d rendezvous: same command everywhere, node ranks handed out
-  torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 --rdzv-id=run1 multinode.py
   # 3. Slurm: sbatch slurm/train.sbatch multinode.py (one torchrun per node), or
   #    sbatch slurm/train_srun.sbatch multinode.py (one srun task per GPU, no torchrun)
   # launch_ddp.sh wraps all of these: ./launch_ddp.sh --help
 
 Shared-filesystem assumption: by default global rank 0 alone writes the snapshot to
---checkpoint-dir, and on restart EVERY rank reads it from there, so that directory must be on a
+--checkpoint-dir, and on resume EVERY rank reads it from there, so that directory must be on a
 filesystem all nodes see (NFS, Lustre, GPFS...). If each node only has its own local disk, pass
 --snapshot-per-node: local rank 0 of every node writes its own copy. Either way every rank checks
 that all ranks resume from the same epoch, and stops with an error if not.
@@ -28,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -61,9 +64,9 @@ def parse_args():
     p.add_argument("--checkpoint-dir", default="./checkpoints",
                    help=f"where {SNAPSHOT} is saved after every epoch. Must be on a filesystem shared "
                         "by all nodes, unless --snapshot-per-node (default ./checkpoints)")
-    p.add_argument("--resume", default="auto",
-                   help=f"auto: continue from CHECKPOINT_DIR/{SNAPSHOT} if it exists (default); "
-                        "none: start fresh; or a snapshot PATH")
+    p.add_argument("--resume", default=None, metavar="PATH|auto",
+                   help=f"auto: continue from CHECKPOINT_DIR/{SNAPSHOT} if it exists (what a "
+                        "restarted torchrun worker needs); or a snapshot PATH (default: start fresh)")
     p.add_argument("--snapshot-per-node", action="store_true",
                    help="local rank 0 of EVERY node writes the snapshot (for node-local disks, "
                         "e.g. --checkpoint-dir /tmp/ckpt); default: global rank 0 only")
@@ -74,12 +77,13 @@ def parse_args():
                    help="rank 0 writes a JSON file with the rank table and every rank's parameter "
                         "checksum at the end (used by the tests; handy to compare runs)")
     p.add_argument("--crash-rank", type=int, default=None, metavar="R",
-                   help="testing failure handling: global rank R dies (exit 1) like a crashed "
-                        "process; the launcher must then stop the whole job")
-    p.add_argument("--crash-at", default="step", choices=["start", "step"],
+                   help="testing failure handling: global rank R dies (SIGKILL) like a crashed "
+                        "process; the launcher must then stop or restart the whole job")
+    p.add_argument("--crash-at", default="1", metavar="start|STEP",
                    help="with --crash-rank: die at start-up, before joining the process group (the "
                         "others then wait for it until the timeout unless the launcher kills them), "
-                        "or after the first training step (default)")
+                        "or after optimizer step STEP (default 1) of a run that did not resume, so "
+                        "a restarted run that resumes goes on")
     args = p.parse_args()
     for name in ("epochs", "batch_size", "log_every", "samples"):
         if getattr(args, name) < 1:
@@ -88,6 +92,8 @@ def parse_args():
         p.error("--max-steps must be >= 0 and --lr > 0")
     if args.crash_rank is not None and args.crash_rank < 0:
         p.error("--crash-rank must be a rank >= 0")
+    if args.crash_at != "start" and not (args.crash_at.isdigit() and int(args.crash_at) > 0):
+        p.error("--crash-at must be start or a step number >= 1")
     return args
 
 
@@ -143,7 +149,7 @@ def print_table(table, ddp):
 
 
 def snapshot_path(args):
-    return os.path.join(args.checkpoint_dir, SNAPSHOT) if args.resume in ("auto", "none") else args.resume
+    return os.path.join(args.checkpoint_dir, SNAPSHOT) if args.resume in (None, "auto") else args.resume
 
 
 def resume(args, ddp, model, optimizer):
@@ -151,8 +157,9 @@ def resume(args, ddp, model, optimizer):
     Without a shared filesystem (and without --snapshot-per-node) rank 0's node finds the file and
     the others do not: training would silently restart from epoch 0 on some ranks."""
     path, epoch = snapshot_path(args), 0
-    if args.resume != "none" and (os.path.isfile(path) or args.resume != "auto"):
-        epoch = load_checkpoint(path, ddp.device, model=model, optimizer=optimizer)["epoch"]
+    if args.resume and (os.path.isfile(path) or args.resume != "auto"):
+        # To the CPU; load_state_dict copies each tensor to its parameter's device.
+        epoch = load_checkpoint(path, model=model, optimizer=optimizer)["epoch"]
     found = [None] * ddp.world_size
     dist.all_gather_object(found, (epoch, socket.gethostname(), ddp.node_rank))  # DDP: compare
     if len({e for e, _, _ in found}) > 1:
@@ -169,15 +176,17 @@ def resume(args, ddp, model, optimizer):
 
 @torch.no_grad()
 def evaluate(model, test_set, ddp, batch_size):
-    """Exact accuracy over the test set: rank r takes samples r, r+W, ...; counts are summed."""
+    """Exact accuracy over the test set: rank r takes samples r, r+W, ...; counts are summed.
+    `model` is the bare model.module: a forward through the DDP wrapper would join DDP's
+    collectives, and ranks whose shards differ by a batch would then wait for each other."""
     model.eval()
-    totals = torch.zeros(3, device=ddp.device)  # loss sum, correct, count
-    for x, y in DataLoader(Subset(test_set, range(ddp.rank, len(test_set), ddp.world_size)),
-                           batch_size=4 * batch_size):
+    shard = Subset(test_set, range(ddp.rank, len(test_set), ddp.world_size))
+    sums = torch.zeros(2, device=ddp.device)  # loss sum, correct: summed on the device, no sync
+    for x, y in DataLoader(shard, batch_size=4 * batch_size):
         x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
-        logits = model(x).float()
-        totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"),
-                               (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=ddp.device)])
+        logits = model(x)
+        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum()])
+    totals = torch.cat([sums, torch.tensor([float(len(shard))], device=ddp.device)])
     dist.all_reduce(totals)  # DDP: sum the shards' counts
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -200,17 +209,16 @@ def write_report(args, ddp, table, model, start_epoch, epoch, val_acc):
 
 
 def crash(rank):
-    """--crash-rank: die with no cleanup at all, like a segfault, an OOM kill or a bad import."""
+    """--crash-rank: die with no cleanup at all, like a segfault or an OOM kill."""
     print(f"error: rank {rank} crashed on purpose (--crash-rank)", file=sys.stderr, flush=True)
-    os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():
     args = parse_args()
-    if args.crash_at == "start" and args.crash_rank is not None:  # rank as the launcher set it
-        if args.crash_rank == int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", -1))):
-            crash(args.crash_rank)
-    ddp = setup(args.backend)  # DDP: join the group; under srun the helper maps SLURM_* to ranks
+    if args.crash_at == "start" and args.crash_rank == int(os.environ.get("RANK", -1)):
+        crash(args.crash_rank)  # the rank as the launcher set it
+    ddp = setup(args.backend)  # DDP: join the group (torchrun, or srun tasks: RANK... from env)
     if args.crash_rank is not None and args.crash_rank >= ddp.world_size:
         cleanup()
         fail(f"--crash-rank {args.crash_rank} is not a rank: the world size is {ddp.world_size}")
@@ -244,14 +252,13 @@ def main():
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         for x, y in loader:
             x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                loss = F.cross_entropy(model(x).float(), y)
+            loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP: gradients all-reduced across ALL nodes' ranks here
             optimizer.step()
             loss_sum += loss.detach()
             step += 1
-            if args.crash_rank == ddp.rank and args.crash_at == "step":
+            if args.crash_rank == ddp.rank and args.crash_at == str(step) and start_epoch == 0:
                 crash(ddp.rank)
             if step % args.log_every == 0:
                 now = time.perf_counter()  # .item() waits for the GPU: once per log line only
@@ -261,7 +268,7 @@ def main():
                 t_log, loss_sum = now, torch.zeros((), device=ddp.device)
             if step == args.max_steps:
                 break
-        val_loss, val_acc = evaluate(model, test_set, ddp, args.batch_size)
+        val_loss, val_acc = evaluate(model.module, test_set, ddp, args.batch_size)
         print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {100 * val_acc:.2f}%")
         # DDP: every rank calls it (barrier inside); rank 0, or local rank 0 per node, writes.
         save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -270,7 +277,7 @@ def main():
         if step == args.max_steps:
             break
     if done_epoch == start_epoch:  # nothing left to train: report the snapshot's accuracy
-        val_loss, val_acc = evaluate(model, test_set, ddp, args.batch_size)
+        val_loss, val_acc = evaluate(model.module, test_set, ddp, args.batch_size)
 
     same = write_report(args, ddp, table, model, start_epoch, done_epoch, val_acc)
     print0(f"done: data generated | world {ddp.world_size} | nodes {len({r['node'] for r in table})} | "

@@ -64,6 +64,35 @@ def run_torchrun(script, *args, nproc=2, timeout=180, env=None, extra=()):
                env=env or cpu_env())
 
 
+def run_torchrun_nodes(script, node_args, nproc=1, timeout=180, env=None, extra=()):
+    """Several torchrun agents on this machine, one per "node", sharing one c10d rendezvous
+    (what a cluster with node-local disks looks like). node_args[i]: the script's arguments on
+    node i. c10d ranks nodes by sorted address, so node i gets --local-addr 127.0.0.<i+1> and is
+    GROUP_RANK i. Returns one CompletedProcess per node; all are killed on timeout."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}",
+         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+         "--rdzv-id=nodes", f"--local-addr=127.0.0.{i + 1}", *extra, str(ROOT / script),
+         *map(str, args)], cwd=ROOT, env=env or cpu_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for i, args in enumerate(node_args)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(procs[0].args)}")
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return results
+
+
 def run_python(script, *args, timeout=180, env=None):
     return run([sys.executable, ROOT / script, *args], timeout=timeout, env=env or cpu_env())
 
@@ -79,6 +108,20 @@ def error_lines(result):
     `prog: error: ...` lines count too."""
     return [l for l in (result.stderr + result.stdout).splitlines()
             if re.match(r"(\S+: )?error: ", l)]
+
+
+def flat_tensors(state, prefix=""):
+    """Flatten a nested state (dicts, lists, tensors: a checkpoint, an optimizer state_dict) into
+    {"a.b.0": tensor}, so two states compare key by key."""
+    import torch
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = (state.items() if isinstance(state, dict) else
+             enumerate(state) if isinstance(state, (list, tuple)) else [])
+    flat = {}
+    for k, v in items:
+        flat.update(flat_tensors(v, f"{prefix}.{k}"))
+    return flat
 
 
 def spawn(fn, nprocs, *args, port=None):
@@ -97,6 +140,19 @@ def init_spawned(rank, world_size, port):
         os.environ.pop(k, None)
     import ddp_common
     return ddp_common.setup(backend="gloo", rank=rank, world_size=world_size)
+
+
+def torchrun_env(rank, world_size, port, local_world_size=None):
+    """In a spawned test worker: the variables torchrun would give this rank, so a lesson's main()
+    runs as under torchrun (a new port per run). local_world_size < world_size makes the ranks
+    look like several "nodes" (GROUP_RANK = node, LOCAL_RANK = rank on it)."""
+    local = local_world_size or world_size
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(k, None)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local),
+                      LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="",
+                      DDP_TIMEOUT="60", OMP_NUM_THREADS="1")
 
 
 def assert_clean_failure(result, code=None):

@@ -1,10 +1,10 @@
-"""ddp_common: the helper under every launcher, its errors, and its checkpoint functions."""
+"""ddp_common: the helper under torchrun and mp.spawn (srun: tests/test_slurm.py), its errors,
+its restart store, and its checkpoint functions."""
 import json
 import os
-import random
 import socket
-import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
@@ -51,55 +51,6 @@ def test_setup_under_mp_spawn(tmp_path):
     assert all(r["sum"] == 6.0 for r in recs)
 
 
-def _port_in_slurm_range():
-    """A free port p with p = 20000 + job_id % 20000 for some job id (how setup derives it)."""
-    for _ in range(200):
-        port = random.randint(20000, 39999)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    pytest.skip("no free port in 20000-39999")
-
-
-def test_setup_under_srun_env_without_torchrun():
-    """What srun gives each task: SLURM_* only. setup maps them to ranks, takes MASTER_ADDR from
-    the node list and MASTER_PORT from the job id."""
-    port = _port_in_slurm_range()
-    procs = []
-    for rank in range(2):
-        env = cpu_env(SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NODEID=0, SLURM_STEP_ID=0,
-                      SLURM_STEP_NUM_TASKS=2, SLURM_NTASKS=2, SLURM_STEP_TASKS_PER_NODE="2",
-                      SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=port - 20000 + 20000 * 7)
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / PROBE)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      start_new_session=True))
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=120)
-        finally:
-            p.kill()
-        assert p.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    assert sorted((o["rank"], o["local_rank"], o["world_size"], o["launcher"]) for o in outs) == \
-        [(0, 0, 2, "slurm"), (1, 1, 2, "slurm")]
-    assert all(o["rank_sum"] == 1.0 for o in outs)
-
-
-@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("node[1-2]", "node1"),
-                                            ("gpu[03-05,9],cpu1", "gpu03"), ("a,b", "a"),
-                                            ("x-y[7,8]", "x-y7")])
-def test_first_host_of_slurm_nodelist(nodelist, first):
-    assert ddp_common.first_host(nodelist) == first
-
-
-def test_slurm_tasks_per_node_is_read_per_node():
-    assert [ddp_common._slurm_tasks_on_node("2(x3),1", n) for n in range(4)] == [2, 2, 2, 1]
-
-
 # ---- launch mistakes: one `error:` line, non-zero exit, no hang, no traceback ----
 
 def assert_one_error(result, code, *words):
@@ -130,8 +81,8 @@ def test_port_in_use_names_the_port():
 
 
 def test_missing_rank_times_out_with_one_line_instead_of_hanging():
-    env = cpu_env(RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-                  DDP_TIMEOUT=4)
+    env = cpu_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=free_port(), DDP_TIMEOUT=4)
     assert_one_error(run_python(PROBE, timeout=60, env=env), 1, "rank 0", "2 ranks")
 
 
@@ -149,6 +100,52 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         ddp_common.pick_device(2)
     assert e.value.code == 2 and "only 2" in capsys.readouterr().err
+
+
+# ---- the launcher environment: the GPU index, and torchrun's shared store ----
+
+def _env(monkeypatch, **env):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1, **env}.items():
+        monkeypatch.setenv(k, str(v))
+
+
+@pytest.mark.parametrize("env,local_rank", [
+    (dict(RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2), 1),  # one node: the global rank is the GPU
+    (dict(RANK=0, WORLD_SIZE=1), 0),
+    (dict(RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2), 1),
+    (dict(RANK=3, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2), None),  # node 1 of 2: GPU 3 would be wrong
+    (dict(RANK=1, WORLD_SIZE=2), None),  # how many nodes? unknown: never guess
+])
+def test_local_rank_is_not_guessed_from_the_global_rank(monkeypatch, capsys, env, local_rank):
+    _env(monkeypatch, **env)
+    if local_rank is not None:
+        assert ddp_common._launch_env(None, None)[3] == local_rank
+        return
+    with pytest.raises(SystemExit) as e:
+        ddp_common._launch_env(None, None)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "LOCAL_RANK" in err[0], err
+
+
+def test_torchrun_shared_store_gets_one_namespace_per_attempt(monkeypatch, capsys):
+    """Plain torchrun: the agent's store outlives a restart, so each attempt gets a prefix; with
+    2+ nodes and restarts rank 0 warns once; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the
+    agent (workers see TORCHELASTIC_USE_AGENT_STORE=False) setup takes the plain env:// path."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _env(monkeypatch, TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT=server.port, RANK=0,
+         GROUP_WORLD_SIZE=1, TORCHELASTIC_MAX_RESTARTS=1, TORCHELASTIC_RESTART_COUNT=1)
+    ddp_common._torchrun_shared_store(2, timedelta(seconds=10)).set("key", "new")
+    assert server.check(["attempt1/key"]) and server.get("attempt1/key") == b"new"
+    assert capsys.readouterr().err == ""  # one node: no warning
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    ddp_common._torchrun_shared_store(2, timedelta(seconds=10))
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning[0]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert ddp_common._torchrun_shared_store(2, timedelta(seconds=10)) is None
 
 
 # ---- checkpoints ----
@@ -180,6 +177,18 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, capsys, damage):
         ddp_common.load_checkpoint(path, "cpu", **{key: target})
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code in (1, 2) and len(err) == 1 and err[0].startswith("error: checkpoint")
+
+
+def test_load_checkpoint_loads_to_the_cpu_unless_told(tmp_path, monkeypatch):
+    """A resume must not put a whole checkpoint on every GPU: load to the CPU, load_state_dict
+    copies each tensor to its parameter's device."""
+    path = str(tmp_path / "model.pt")
+    ddp_common.save_checkpoint({"model": torch.nn.Linear(3, 2).state_dict()}, path)
+    real_load, seen = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k["map_location"]) or real_load(*a, **k))
+    ddp_common.load_checkpoint(path, model=torch.nn.Linear(3, 2))
+    ddp_common.load_checkpoint(path, torch.device("cpu"), model=torch.nn.Linear(3, 2))
+    assert seen == ["cpu", torch.device("cpu")]
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):

@@ -1,17 +1,21 @@
 """Lesson 5, gpt2_ddp.py: windows and shards are right, 2-rank training (mp.spawn and torchrun)
 keeps replicas identical and lowers an exactly all-reduced validation loss, rank 0 generates
 alone without a hang, the tiktoken gpt2 path works (a small custom Encoding, and the real BPE
-files when tests/gpt2_bpe_cache.sh filled TIKTOKEN_CACHE_DIR), and failures are one line."""
+files when tests/gpt2_bpe_cache.sh filled TIKTOKEN_CACHE_DIR), failures are one line; Hugging
+Face GPT-2 weights load with transformers' logits, fine-tune on 2 ranks and export back into
+transformers; a resumed run is bitwise the uninterrupted one; gradients stay in DDP's buckets."""
 import os
 import random
 import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import tiktoken
 import torch
+import torch.distributed as dist
 
 import ddp_common
 import gpt2_ddp
@@ -50,11 +54,14 @@ TINY_BPE = """
 import tiktoken
 _get_encoding = tiktoken.get_encoding
 
-def tiny_bpe_encoding():
+def tiny_bpe_encoding(n_vocab=None):
+    # n_vocab=50257: GPT-2's size; the extra tokens start with byte 0xff, which no text here has
     from tiktoken_ext.openai_public import r50k_pat_str
     ranks = {bytes([b]): b for b in range(256)}
     for word in (b"th", b"he", b"the", b" t", b" the", b"at", b" cat", b"ed", b" walk", b"ked"):
         ranks.setdefault(word, len(ranks))
+    for i in range(len(ranks), (n_vocab or 0) - 1):
+        ranks[b"\\xff%d" % i] = i
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": len(ranks)})
 
@@ -144,6 +151,21 @@ def test_model_is_causal_tied_and_has_no_buffers():
     torch.testing.assert_close(full, prefix, rtol=1e-4, atol=1e-5)  # tokens 10.. are not seen
 
 
+def test_chunked_loss_equals_cross_entropy_over_the_real_tokens():
+    """The loss and both gradients of ChunkedLMHeadLoss equal plain cross-entropy over the first
+    n_vocab logits (300 rows = 2 full chunks and a partial one)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 16, generator=g, requires_grad=True)
+    w = torch.randn(128, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 100, (300,), generator=g)
+    loss = gpt2_ddp.ChunkedLMHeadLoss.apply(x, w, t, 100)
+    ref = torch.nn.functional.cross_entropy((x @ w.t())[:, :100], t)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(2 * loss, (x, w)), torch.autograd.grad(2 * ref, (x, w))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert gpt2_ddp.CHUNK < 300 < 3 * gpt2_ddp.CHUNK
+
+
 def _hidden(model, idx):
     x = model.wte(idx) + model.wpe(torch.arange(idx.size(1)))
     for block in model.h:
@@ -151,7 +173,7 @@ def _hidden(model, idx):
     return x
 
 
-def test_flops_and_peak_table():
+def test_flops_per_token():
     cfg = gpt2_ddp.PRESETS["124m"]
     cfg = gpt2_ddp.GPTConfig(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size=50304)
     with torch.device("meta"):
@@ -159,8 +181,6 @@ def test_flops_and_peak_table():
     n = model.num_params()
     assert 123e6 < n < 125e6                                  # GPT-2 small without positions
     assert gpt2_ddp.flops_per_token(cfg, n, 1024) == 6 * n + 12 * 12 * 768 * 1024
-    assert gpt2_ddp.peak_tflops(torch.device("cpu"), True, 0.0) is None
-    assert gpt2_ddp.peak_tflops(torch.device("cpu"), False, 50.0) == 50.0
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -177,7 +197,7 @@ def test_bytes_tokenizer_needs_no_download_and_round_trips(tmp_path, monkeypatch
                                 "--batch-size", "2"])
     data = gpt2_ddp.prepare(args, world_size=2)
     tokens = torch.cat([data["train"], data["val"]])
-    assert bytes(tokens.tolist()) == story.read_bytes() and data["n_vocab"] == 257
+    assert bytes(tokens.tolist()) == story.read_bytes() and data["config"]["vocab_size"] == 257
 
 
 def test_gpt2_code_path_with_a_small_custom_encoding(tmp_path, monkeypatch):
@@ -190,7 +210,7 @@ def test_gpt2_code_path_with_a_small_custom_encoding(tmp_path, monkeypatch):
                                 "--generate-tokens", "20"])
     assert args.tokenizer == "gpt2"
     data = gpt2_ddp.prepare(args, world_size=2)
-    assert data["n_vocab"] == enc.n_vocab == 267 and data["tokenizer"] == "gpt2"
+    assert data["config"]["vocab_size"] == enc.n_vocab == 267 and data["tokenizer"] == "gpt2"
     tokens = torch.cat([data["train"], data["val"]])
     assert len(tokens) < len(story.read_bytes())              # merges were used
     assert enc.decode(tokens.tolist()) == story.read_text()
@@ -198,14 +218,15 @@ def test_gpt2_code_path_with_a_small_custom_encoding(tmp_path, monkeypatch):
 
 
 def _generate_with(enc, data, args):
-    cfg = gpt2_ddp.GPTConfig(2, 2, 32, 64, vocab_size=64 * -(-data["n_vocab"] // 64))
+    n_vocab = data["config"]["vocab_size"]
+    cfg = gpt2_ddp.GPTConfig(2, 2, 32, 64, vocab_size=n_vocab)  # the embedding is padded
     model = gpt2_ddp.GPT(cfg)
     with torch.no_grad():
-        model.wte.weight[data["n_vocab"]:] = 100.0            # padding rows would win if allowed
-    ids = gpt2_ddp.generate(model, enc.encode_ordinary("The cat"), 20, data["n_vocab"], args,
-                            torch.device("cpu"), torch.autocast("cpu", enabled=False))
+        model.wte.weight[n_vocab:] = 100.0                    # padding rows would win if allowed
+    ids = gpt2_ddp.generate(model, enc.encode_ordinary("The cat"), 20, torch.device("cpu"),
+                            torch.autocast("cpu", enabled=False))
     assert len(ids) == len(enc.encode_ordinary("The cat")) + 20
-    assert max(ids) < data["n_vocab"]                         # never a padding id
+    assert max(ids) < n_vocab                                 # never a padding id
     assert isinstance(enc.decode(ids), str)
 
 
@@ -245,46 +266,153 @@ def test_gpt2_real_bpe_files_from_the_cache(tmp_path, monkeypatch):
     story = write_story(tmp_path / "s.txt", 200)
     args = gpt2_ddp.parse_args(["--text", str(story), "--max-length", "32", "--batch-size", "2"])
     data = gpt2_ddp.prepare(args, world_size=2)
-    assert data["n_vocab"] == 50257 and data["tokenizer"] == "gpt2"
+    assert data["config"]["vocab_size"] == 50257 and data["tokenizer"] == "gpt2"
     assert enc.decode(torch.cat([data["train"], data["val"]]).tolist()) == story.read_text()
     _generate_with(enc, data, args)
 
 
+# ----------------------------------------------------------------------------- Hugging Face weights
+
+def hf_gpt2(out_dir, seed=0):
+    """A transformers GPT-2 with random weights: tiny, but GPT-2's 50,257-token vocabulary, so the
+    embedding is padded to 50,304 on the way in and cut back on the way out."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257))
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+def hf_logits(hf_dir, tokens):
+    from transformers import GPT2LMHeadModel
+    with torch.no_grad():
+        return GPT2LMHeadModel.from_pretrained(hf_dir).eval()(tokens).logits
+
+
+def our_logits(model, tokens, n_vocab):
+    with torch.no_grad():
+        return model.lm_head(model.ln_f(_hidden(model.eval(), tokens)))[..., :n_vocab]
+
+
+def test_init_from_a_transformers_dir_gives_its_logits(tmp_path):
+    hf = hf_gpt2(tmp_path / "hf")
+    path, cfg = gpt2_ddp.pretrained(str(tmp_path / "hf"))
+    assert path == str(tmp_path / "hf" / "model.safetensors")
+    assert cfg == gpt2_ddp.GPTConfig(2, 2, 32, 64, 50257)     # from the shapes; n_head: config.json
+    model = gpt2_ddp.GPT(cfg)
+    gpt2_ddp.load_hf_weights(model, path)
+    assert model.lm_head.weight is model.wte.weight and model.wte.weight.shape[0] == 50304
+    tokens = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    torch.testing.assert_close(our_logits(model, tokens, 50257), expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():   # the lesson's own forward: the loss equals transformers' loss
+        loss = model.train()(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        ref = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, 50257), tokens[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- 2-rank training
 
-def _train_rank(rank, world_size, port, argv, out_dir):
-    """A spawned rank: join the group, run the lesson's own data + training code, save what this
-    rank holds."""
+def _fine_tune_rank(rank, world_size, port, argv, out_dir):
+    """A spawned rank runs the lesson's own data + training code three times in one group, with a
+    50,257-token stand-in for GPT-2's BPE: 6 steps straight (rank 0 exports it for transformers);
+    3 steps; the same job resumed from those 3 to 6. Each run saves what this rank holds."""
+    tiktoken.get_encoding = lambda name: tiny_bpe_encoding(50257)
     ddp = init_spawned(rank, world_size, port)
-    args = gpt2_ddp.parse_args(argv)
-    data = gpt2_ddp.prepare(args, world_size)
-    model, res = gpt2_ddp.train(args, ddp, data)
-    torch.save({"model": model.state_dict(), "val_losses": res["val_losses"]},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    runs = {"straight": ["--max-steps", "6", "--checkpoint-dir", f"{out_dir}/ck"],
+            "half": ["--max-steps", "3", "--checkpoint-dir", f"{out_dir}/ck2"],
+            "resumed": ["--max-steps", "6", "--checkpoint-dir", f"{out_dir}/ck2", "--resume", "auto"]}
+    for name, extra in runs.items():
+        args = gpt2_ddp.parse_args(argv + extra)
+        model, res = gpt2_ddp.train(args, ddp, gpt2_ddp.prepare(args, world_size))
+        torch.save({"model": model.state_dict(), "val_losses": res["val_losses"]},
+                   os.path.join(out_dir, f"{name}{rank}.pt"))
+        if rank == 0 and name == "straight":
+            gpt2_ddp.export_hf(model, os.path.join(out_dir, "export"))
+        del model
     ddp_common.cleanup()
 
 
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory):
+    """2 ranks fine-tune a transformers GPT-2 (random weights, 50,257 tokens) on gloo."""
+    out = tmp_path_factory.mktemp("fine_tune")
+    hf_gpt2(out / "hf")
+    story = write_story(out / "s.txt", 60)
+    argv = ["--init-from", str(out / "hf"), "--text", str(story), "--max-length", "32", "--batch-size", "4",
+            "--accum-steps", "2", "--save-every", "3", "--lr", "3e-3", "--warmup-steps", "2", "--log-every", "3"]
+    tiktoken.get_encoding, real = (lambda name: tiny_bpe_encoding(50257)), tiktoken.get_encoding
+    try:
+        data = gpt2_ddp.prepare(gpt2_ddp.parse_args(argv), 2)
+    finally:
+        tiktoken.get_encoding = real
+    spawn(_fine_tune_rank, 2, argv, str(out))
+    return out, data
+
+
 @pytest.mark.slow
-def test_two_ranks_stay_identical_with_accumulation_and_val_loss_is_exact(tmp_path):
-    story = write_story(tmp_path / "s.txt")
-    argv = ["--tokenizer", "bytes", "--text", str(story), "--max-length", "32", "--batch-size", "4",
-            "--grad-accum", "2", "--max-steps", "6", "--eval-every", "3", "--lr", "3e-3",
-            "--warmup-steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--log-every", "3"]
-    spawn(_train_rank, 2, argv, str(tmp_path))
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+def test_two_ranks_fine_tune_identically_with_exact_val_loss_and_export_to_transformers(fine_tuned):
+    out, data = fine_tuned
+    r0, r1 = (torch.load(out / f"straight{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["model"].keys() == r1["model"].keys()
     for k in r0["model"]:
         assert torch.equal(r0["model"][k], r1["model"][k]), f"ranks differ in {k}"
     assert r0["val_losses"] == r1["val_losses"]               # one all-reduced value everywhere
-    # the all-reduced loss equals the loss over all validation windows computed in one process
-    args = gpt2_ddp.parse_args(argv)
-    data = gpt2_ddp.prepare(args, 2)
-    ck = torch.load(tmp_path / "ck" / "gpt2.pt", weights_only=True)
-    assert ck["step"] == 6
+    losses = [v for _, v in r0["val_losses"]]
+    assert [s for s, _ in r0["val_losses"]] == [0, 3, 6] and losses[-1] < 0.95 * losses[0], losses
+    ck = torch.load(out / "ck" / "gpt2.pt", weights_only=True)
+    assert ck["step"] == 6 and ck["config"]["vocab_size"] == 50257 and ck["model"]["wte.weight"].shape[0] == 50304
     for k in r0["model"]:
         assert torch.equal(ck["model"][k], r0["model"][k])
-    ref = val_loss_of(ck["model"], ck["config"], data["val"], 32)
-    assert r0["val_losses"][-1][1] == pytest.approx(ref, rel=1e-5)
+    # the all-reduced loss equals the loss over all validation windows computed in one process
+    assert losses[-1] == pytest.approx(val_loss_of(ck["model"], ck["config"], data["val"], 32), rel=1e-5)
+    # the export opens in transformers with the fine-tuned weights: the same logits, 50,257 of them
+    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ck["config"]))
+    model.load_state_dict(ck["model"])
+    tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(hf_logits(out / "export", tokens), our_logits(model, tokens, 50257),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
+    out, data = fine_tuned
+    loader = gpt2_ddp.build_loaders(gpt2_ddp.TokenWindows(data["train"], 32, 32),
+                                    gpt2_ddp.TokenWindows(data["val"], 32, 32), 0, 2, 4, 0)[0]
+    epoch, skip = divmod(3 * 2, len(loader))
+    assert epoch >= 1 and skip > 0                            # it resumes inside a later epoch
+    for rank in (0, 1):
+        straight, resumed = (torch.load(out / f"{n}{rank}.pt", weights_only=True) for n in ("straight", "resumed"))
+        for k in straight["model"]:
+            assert torch.equal(straight["model"][k], resumed["model"][k]), f"rank {rank}: {k} differs"
+        assert straight["val_losses"] == resumed["val_losses"] and len(resumed["val_losses"]) == 3
+    half = torch.load(out / "half0.pt", weights_only=True)
+    assert not torch.equal(half["model"]["wte.weight"], straight["model"]["wte.weight"])  # it did train on
+
+
+def test_gradients_stay_in_ddp_buckets_between_steps():
+    """gradient_as_bucket_view + zero_grad(set_to_none=False): every step writes the gradients into
+    the same bucket memory (set_to_none=True would drop the views and reallocate every step)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = types.SimpleNamespace(device=torch.device("cpu"), world_size=1)
+        args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", "unused"])
+        data = {"config": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64),
+                "init": None, "resume": None}
+        model, ddp_model, optimizer, scaler, _, _ = gpt2_ddp.build(args, ddp, data)
+        x = torch.randint(0, 64, (2, 8))
+        pointers = []
+        for _ in range(4):
+            gpt2_ddp.train_step(ddp_model, optimizer, scaler, [(x, x), (x, x)], 1.0,
+                                torch.autocast("cpu", enabled=False))
+            assert all(p.grad is not None for p in model.parameters())   # not set to None
+            pointers.append([p.grad.data_ptr() for p in model.parameters()])
+        assert pointers[1] == pointers[2] == pointers[3]   # (DDP rebuilds its buckets after step 1)
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert len(storages) < len(list(model.parameters()))  # views into shared bucket storage
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -294,7 +422,7 @@ def test_spawn_launch_trains_saves_and_rank0_generates_alone(tmp_path):
     result = run_python("gpt2_ddp.py", "--nproc", "2", "--tokenizer", "bytes", "--text", story,
                         "--max-length", "64", "--max-steps", "30", "--lr", "3e-3",
                         "--log-every", "10", "--checkpoint-dir", ck, "--generate-tokens", "300",
-                        timeout=TIMEOUT, env=cpu_env(**DEAD_PROXY))
+                        "--export-hf", tmp_path / "export", timeout=TIMEOUT, env=cpu_env(**DEAD_PROXY))
     assert_ok(result)
     assert result.stderr.strip() == "", result.stderr[-2000:]
     done = done_fields(result)
@@ -309,6 +437,11 @@ def test_spawn_launch_trains_saves_and_rank0_generates_alone(tmp_path):
                                                  "--max-length", "64"]), 2)
     ref = val_loss_of(ckpt["model"], ckpt["config"], data["val"], 64)
     assert losses[-1] == pytest.approx(ref, rel=1e-5)         # exact over both ranks' shards
+    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ckpt["config"]))   # --export-hf: the final weights
+    model.load_state_dict(ckpt["model"])
+    tokens = data["val"][:64][None]
+    torch.testing.assert_close(hf_logits(tmp_path / "export", tokens), our_logits(model, tokens, 257),
+                               rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -322,25 +455,16 @@ def test_torchrun_launch_with_the_gpt2_path(tmp_path):
     env = cpu_env(**DEAD_PROXY)
     env["PYTHONPATH"] = f"{site}{os.pathsep}{ROOT}"
     result = run_torchrun("gpt2_ddp.py", "--text", story, "--max-length", "32", "--max-steps", "4",
-                          "--eval-every", "4", "--checkpoint-dir", tmp_path / "ck",
+                          "--save-every", "4", "--checkpoint-dir", tmp_path / "ck",
                           "--generate-tokens", "10", timeout=TIMEOUT, env=env)
     assert_ok(result)
     done = done_fields(result)
     assert done["tokenizer"] == "gpt2" and done["world"] == "2" and done["steps"] == "4"
     ckpt = torch.load(tmp_path / "ck" / "gpt2.pt", weights_only=True)
-    assert ckpt["n_vocab"] == 267 and ckpt["config"]["vocab_size"] == 320
+    assert ckpt["config"]["vocab_size"] == 267 and ckpt["model"]["wte.weight"].shape[0] == 320
 
 
 # ----------------------------------------------------------------------------- failures
-
-def test_offline_default_text_is_one_line_with_the_offline_command(tmp_path):
-    result = run_python("gpt2_ddp.py", "--nproc", "2", "--data-dir", tmp_path / "data",
-                        timeout=TIMEOUT, env=cpu_env(**DEAD_PROXY))
-    errs = assert_clean_failure(result, code=1)
-    assert len(errs) == 1 and "Traceback" not in result.stderr
-    assert "--text FILE --tokenizer bytes" in errs[0]
-    assert not (tmp_path / "data" / "the-verdict.txt").exists()
-
 
 def test_missing_gpt2_files_offline_is_one_line(tmp_path):
     story = write_story(tmp_path / "s.txt", 100)
@@ -351,6 +475,16 @@ def test_missing_gpt2_files_offline_is_one_line(tmp_path):
     assert "TIKTOKEN_CACHE_DIR" in errs[0] and "--tokenizer bytes" in errs[0]
 
 
+def test_init_from_gpt2_offline_without_a_cache_is_one_line(tmp_path):
+    story = write_story(tmp_path / "s.txt", 100)
+    env = cpu_env(HF_HUB_OFFLINE="1", HF_HOME=tmp_path / "empty-hf-home", **DEAD_PROXY)
+    result = run_python("gpt2_ddp.py", "--nproc", "2", "--init-from", "gpt2", "--text", story,
+                        timeout=60, env=env)
+    errs = assert_clean_failure(result, code=1)
+    assert len(errs) == 1 and "Traceback" not in result.stderr
+    assert "openai-community/gpt2" in errs[0] and "HF_HOME" in errs[0] and "--init-from PATH" in errs[0]
+
+
 def test_user_mistakes_are_one_line_exit_2(tmp_path):
     result = run_python("gpt2_ddp.py", "--text", tmp_path / "nope.txt", "--tokenizer", "bytes",
                         timeout=TIMEOUT)
@@ -359,6 +493,10 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path):
     result = run_python("gpt2_ddp.py", "--nproc", "2", "--text", short, "--tokenizer", "bytes",
                         timeout=TIMEOUT)
     assert len(assert_clean_failure(result, code=2)) == 1 and "Traceback" not in result.stderr
+    hf_gpt2(tmp_path / "hf")                                  # GPT-2's 50,257 ids, not 257 bytes
+    for bad in (["--init-from", tmp_path / "no-such-dir"], ["--init-from", tmp_path / "hf", "--tokenizer", "bytes"]):
+        result = run_python("gpt2_ddp.py", "--text", short, *bad, timeout=TIMEOUT)
+        assert len(assert_clean_failure(result, code=2)) == 1 and "--init-from" in result.stderr
 
 
 @pytest.mark.slow

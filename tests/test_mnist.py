@@ -2,6 +2,7 @@
 runs end to end under torchrun on real-format MNIST files and on synthetic data."""
 import os
 import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import ddp_common
 import ddp_mnist
-from conftest import assert_clean_failure, assert_ok, cpu_env, init_spawned, run_torchrun, spawn
+from conftest import (assert_clean_failure, assert_ok, cpu_env, free_port, init_spawned,
+                      run_torchrun_nodes, spawn)
 
 DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
 
@@ -57,26 +59,38 @@ def test_torchvision_reads_the_idx_files_we_write(tmp_path):
     assert torch.equal(test.tensors[1], torch.as_tensor(test_labels))
 
 
-def test_end_to_end_on_mnist_files_counts_every_test_sample_once(tmp_path):
-    make_mnist(tmp_path)
-    result = run_torchrun("ddp_mnist.py", "--data", "mnist", "--data-dir", tmp_path, "--epochs", 2,
-                          "--batch-size", 16, "--lr", 3e-3, "--checkpoint-dir", tmp_path / "ck",
-                          nproc=2)
-    assert_ok(result)
-    done = done_fields(result)
-    assert done["data"] == "mnist" and done["world"] == "2"
-    # 17 test samples over 2 ranks: exact evaluation counts 17, not 18 (padding) or 16.
-    assert done["val_acc"].endswith("/17)"), done
+# ---- node-local disks: two torchrun "nodes" on this machine, each with its own --data-dir ----
+
+def two_nodes(tmp_path, data, have, *args):
+    """Launch 2 nodes x 1 rank offline; node i reads tmp_path/n<i>, which holds MNIST iff have[i].
+    Returns (exit code of the job, stdout, stderr) over both nodes."""
+    for i, h in enumerate(have):
+        if h:
+            make_mnist(tmp_path / f"n{i}")
+    r0, r1 = run_torchrun_nodes("ddp_mnist.py", [
+        ["--data", data, "--data-dir", tmp_path / f"n{i}", "--checkpoint-dir", tmp_path / "ck", *args]
+        for i in range(2)], env=cpu_env(**DEAD_PROXY))
+    return subprocess.CompletedProcess(r0.args, r0.returncode or r1.returncode,
+                                       r0.stdout + r1.stdout, r0.stderr + r1.stderr)
 
 
-def test_end_to_end_synthetic_fallback_learns_and_checkpoints(tmp_path):
-    env = cpu_env(**DEAD_PROXY)  # no network: auto must fall back to synthetic data
-    result = run_torchrun("ddp_mnist.py", "--data", "auto", "--data-dir", tmp_path / "data",
-                          "--max-steps", 40, "--log-every", 10, "--checkpoint-dir", tmp_path / "ck",
-                          nproc=2, env=env)
+def test_two_nodes_data_mnist_on_node_0_only_is_one_error_line(tmp_path):
+    result = two_nodes(tmp_path, "mnist", [True, False])  # node 1 cannot download: offline
+    errs = assert_clean_failure(result, code=1)  # never falls back to synthetic data
+    # Said once for the job (not once per rank), naming the rank and what to do.
+    assert len(errs) == 1 and "rank 1: " in errs[0] and "--data synthetic" in errs[0], errs
+    assert "rank 0: " not in errs[0]  # node 0 had its files
+
+
+def test_two_nodes_auto_agree_on_synthetic_learn_and_checkpoint(tmp_path):
+    """Node 0 has MNIST, node 1 has not: training on two different datasets would be wrong, so
+    auto falls back to synthetic data on every rank, with a warning."""
+    result = two_nodes(tmp_path, "auto", [True, False], "--max-steps", 40, "--log-every", 10,
+                       "--batch-size", 16)
     assert_ok(result)
+    assert any(l.startswith("warning: ") and "rank 1: " in l for l in result.stdout.splitlines())
     done = done_fields(result)
-    assert done["data"] == "synthetic" and done["steps"] == "40"
+    assert done["data"] == "synthetic" and done["world"] == "2" and done["steps"] == "40"
     assert float(done["val_acc"].split("%")[0]) > 30.0  # chance is 10%
     ckpt = torch.load(tmp_path / "ck" / "mnist.pt", weights_only=True)
     assert not any(k.startswith("module.") for k in ckpt["model"])  # saved model.module
@@ -84,24 +98,29 @@ def test_end_to_end_synthetic_fallback_learns_and_checkpoints(tmp_path):
     assert ckpt["step"] == 40
 
 
-def test_data_mnist_never_falls_back(tmp_path):
-    result = run_torchrun("ddp_mnist.py", "--data", "mnist", "--data-dir", tmp_path, nproc=2,
-                          env=cpu_env(**DEAD_PROXY))
-    errs = assert_clean_failure(result, code=1)
-    assert len(errs) == 1 and "--data synthetic" in errs[0]  # said once, not once per rank
+def test_two_nodes_each_read_their_own_copy_and_count_every_test_sample_once(tmp_path):
+    result = two_nodes(tmp_path, "auto", [True, True], "--epochs", 2, "--batch-size", 16,
+                       "--lr", 3e-3)
+    assert_ok(result)
+    assert "warning" not in result.stdout
+    done = done_fields(result)
+    assert done["data"] == "mnist" and done["world"] == "2"
+    # 17 test samples over 2 ranks: exact evaluation counts 17, not 18 (padding) or 16.
+    assert done["val_acc"].endswith("/17)"), done
 
 
 @pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--epochs", "-1"], ["--data", "cifar"]])
-def test_bad_flags_are_usage_errors(flag):
-    result = run_torchrun("ddp_mnist.py", *flag, nproc=1)
-    assert_clean_failure(result)
+def test_bad_flags_are_usage_errors(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        ddp_mnist.parse_args(flag)
+    assert e.value.code == 2 and re.search(r"^\S+: error: ", capsys.readouterr().err, re.M)
 
 
-# ---- what DDP guarantees, checked on the lesson's own model inside real processes ----
+# ---- what DDP guarantees, checked on the lesson's own code inside real processes ----
+# One spawn per world size (1, 2, 3) runs every check and saves what it saw; the tests read it.
 
-def _train_steps(rank, world_size, port, out_dir, batch):
+def _train_steps(rank, world_size, batch=8):
     """Each rank trains the lesson's Net on ITS OWN slice of a fixed batch of 2*batch samples."""
-    ddp = init_spawned(rank, world_size, port)
     ddp_common.set_seed(0)
     model = DDP(ddp_mnist.Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -113,42 +132,79 @@ def _train_steps(rank, world_size, port, out_dir, batch):
         opt.zero_grad()
         F.cross_entropy(model(xs), ys).backward()
         opt.step()
-    flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(gathered, flat)
+    return model.module
+
+
+def _evaluate(ddp):
+    ddp_common.set_seed(0)
+    g = torch.Generator().manual_seed(3)
+    test_set = TensorDataset(torch.randn(17, 1, 28, 28, generator=g), torch.randint(0, 10, (17,), generator=g))
+    result = ddp_mnist.evaluate(ddp_mnist.Net(), test_set, ddp, batch_size=2)
+    return torch.tensor(result[:3] + (result[3],), dtype=torch.float64)
+
+
+def _shard(ddp):
+    data = TensorDataset(torch.zeros(101, 1), torch.arange(101))
+    seen = [y for _, y in ddp_mnist.make_train_loader(data, ddp, batch_size=8, seed=0)]
+    return torch.cat(seen).tolist() if seen else []
+
+
+def _gather(tensor, world_size):
+    out = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(out, tensor)
+    return torch.stack(out)
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _checks(rank, world_size, port, out_dir):
+    ddp = init_spawned(rank, world_size, port)
+    seen = {"params": _gather(flat(_train_steps(rank, world_size)), world_size),
+            "eval": _evaluate(ddp), "shard": _shard(ddp)}
+    if world_size == 2:
+        # get_data on one node: local rank 0 loads (a download if missing), rank 1 waits, loads.
+        args = ddp_mnist.parse_args(["--data", "mnist", "--data-dir", os.path.join(out_dir, "mnist"),
+                                     "--max-steps", "6", "--batch-size", "16", "--checkpoint-dir", out_dir])
+        name, train, test = ddp_mnist.get_data(args, ddp)
+        seen["data"] = (name, len(train), len(test))
+        # The lesson's own train() for a few steps: every rank must end with the same weights.
+        model = ddp_mnist.train(args, ddp)
+        seen["lesson_params"] = _gather(flat(model.module), world_size)
+        del model
+    shards = [None] * world_size
+    dist.all_gather_object(shards, seen.pop("shard"))
+    seen["shards"] = shards
     if rank == 0:
-        torch.save(torch.stack(gathered), os.path.join(out_dir, f"params_w{world_size}.pt"))
+        torch.save(seen, os.path.join(out_dir, f"seen_w{world_size}.pt"))
     ddp_common.cleanup()
 
 
-def test_ranks_stay_identical_and_match_one_process_with_the_global_batch(tmp_path):
-    spawn(_train_steps, 2, str(tmp_path), 8)   # 2 ranks x batch 8
-    spawn(_train_steps, 1, str(tmp_path), 8)   # 1 process x batch 16, same samples
-    two, one = torch.load(tmp_path / "params_w2.pt"), torch.load(tmp_path / "params_w1.pt")
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spawned")
+    make_mnist(out / "mnist")
+    with pytest.MonkeyPatch.context() as mp:  # world size 1 runs in this process: restore its env
+        for k in ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DDP_TIMEOUT"):
+            mp.setenv(k, "")
+        _checks(0, 1, free_port(), str(out))
+    for world_size in (2, 3):
+        spawn(_checks, world_size, str(out))
+    return {w: torch.load(out / f"seen_w{w}.pt") for w in (1, 2, 3)}
+
+
+def test_ranks_stay_identical_and_match_one_process_with_the_global_batch(seen):
+    two, one = seen[2]["params"], seen[1]["params"]  # 2 ranks x batch 8; 1 process x batch 16
     assert torch.equal(two[0], two[1])  # every replica holds the same weights
     # ...and they are the weights one process reaches with the global batch
     torch.testing.assert_close(two[0], one[0], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(one[0], two[0] + 1e-2)  # the comparison can fail
 
 
-def _evaluate(rank, world_size, port, out_dir):
-    ddp = init_spawned(rank, world_size, port)
-    ddp_common.set_seed(0)
-    model = DDP(ddp_mnist.Net())
-    g = torch.Generator().manual_seed(3)
-    test_set = TensorDataset(torch.randn(17, 1, 28, 28, generator=g), torch.randint(0, 10, (17,), generator=g))
-    result = ddp_mnist.evaluate(model, test_set, ddp, batch_size=2)
-    if rank == 0:
-        torch.save(torch.tensor(result[:3] + (result[3],), dtype=torch.float64),
-                   os.path.join(out_dir, f"eval_w{world_size}.pt"))
-    ddp_common.cleanup()
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_evaluation_is_exact_when_the_test_set_does_not_divide(tmp_path, world_size):
-    spawn(_evaluate, 1, str(tmp_path))
-    spawn(_evaluate, world_size, str(tmp_path))
-    single, multi = torch.load(tmp_path / "eval_w1.pt"), torch.load(tmp_path / f"eval_w{world_size}.pt")
+def test_evaluation_is_exact_when_the_test_set_does_not_divide(seen, world_size):
+    single, multi = seen[1]["eval"], seen[world_size]["eval"]
     assert multi[3] == 17  # every sample counted once: no padding duplicates, none dropped
     torch.testing.assert_close(multi, single)  # same loss, accuracy, correct count as 1 process
 
@@ -171,45 +227,20 @@ def test_sampler_shards_are_disjoint_and_cover_the_dataset(n, world):
     assert list(s) != e0
 
 
-def _lesson_train(rank, world_size, port, out_dir):
-    """Run the lesson's own train() for a few steps and gather every rank's parameters."""
-    ddp = init_spawned(rank, world_size, port)
-    args = ddp_mnist.parse_args(["--data", "synthetic", "--max-steps", "6", "--batch-size", "16",
-                                 "--checkpoint-dir", out_dir])
-    model = ddp_mnist.train(args, ddp)
-    flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(gathered, flat)
-    if rank == 0:
-        torch.save(torch.stack(gathered), os.path.join(out_dir, "lesson_params.pt"))
-    ddp_common.cleanup()
-
-
-def test_lesson_training_leaves_every_rank_with_the_same_weights(tmp_path):
-    spawn(_lesson_train, 2, str(tmp_path))
-    params = torch.load(tmp_path / "lesson_params.pt")
+def test_lesson_training_leaves_every_rank_with_the_same_weights(seen):
+    params = seen[2]["lesson_params"]
     ddp_common.set_seed(0)
-    init = torch.cat([p.detach().flatten() for p in ddp_mnist.Net().parameters()])
+    init = flat(ddp_mnist.Net())
     assert not torch.equal(params[0], init)  # it trained
     assert torch.equal(params[0], params[1])  # and the replicas never drifted apart
 
 
-def _lesson_shards(rank, world_size, port, out_dir):
-    ddp = init_spawned(rank, world_size, port)
-    data = TensorDataset(torch.zeros(101, 1), torch.arange(101))
-    loader = ddp_mnist.make_train_loader(data, ddp, batch_size=8, seed=0)
-    seen = [y for _, y in loader]
-    seen = torch.cat(seen).tolist() if seen else []
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, seen)
-    if rank == 0:
-        torch.save(everyone, os.path.join(out_dir, "shards.pt"))
-    ddp_common.cleanup()
+def test_lesson_get_data_loads_on_every_local_rank(seen):
+    assert seen[2]["data"] == ("mnist", 256, 17)
 
 
-def test_lesson_loader_gives_each_rank_its_own_shard(tmp_path):
-    spawn(_lesson_shards, 3, str(tmp_path))
-    shards = torch.load(tmp_path / "shards.pt")
+def test_lesson_loader_gives_each_rank_its_own_shard(seen):
+    shards = seen[3]["shards"]
     flat = [i for s in shards for i in s]
     assert [len(s) for s in shards] == [34, 34, 34]  # ceil(101 / 3): equal steps on every rank
     assert set(flat) == set(range(101))  # every sample is seen in the epoch

@@ -1,5 +1,6 @@
 """Lesson 4 on one machine: two torchrun "nodes" (--nnodes=2, 2 workers each) on 127.0.0.1,
-with c10d and with static rendezvous; per-node snapshots and resume; launch_ddp.sh."""
+with c10d and with static rendezvous; per-node snapshots and resume; a worker killed on one node
+and the job restarted across both; launch_ddp.sh."""
 import json
 import os
 import signal
@@ -10,7 +11,8 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, assert_ok, cpu_env, error_lines, free_port, run, run_python
+from conftest import ROOT, assert_ok, cpu_env, error_lines, free_port, run, run_python, \
+    run_torchrun
 from multinode import params_sha256
 
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
@@ -21,16 +23,33 @@ def torchrun_node(node_args, *script_args):
             *node_args, ROOT / "multinode.py", *SMALL, *script_args]
 
 
-def run_nodes(cmds, tmp_path, timeout=240):
+def descendants(pid):
+    """Every process below pid. torchrun starts its workers in sessions of their own, so killing
+    the agent's process group would leave them running."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found, todo = found + kids, todo + kids
+    return found
+
+
+def run_nodes(cmds, tmp_path, timeout=240, env=None):
     """Start the node commands at once (like on two machines) and wait for all. Output goes to
     files (a full pipe would block one node while we wait on the other); on timeout every process
-    group is killed and the test fails showing each node's output."""
+    (agents and their workers) is killed and the test fails showing each node's output."""
     procs, logs = [], []
     for i, cmd in enumerate(cmds):
         out, err = open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")
         logs.append((out, err))
-        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=cpu_env(), text=True,
-                                      stdout=out, stderr=err, start_new_session=True))
+        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env or cpu_env(),
+                                      text=True, stdout=out, stderr=err, start_new_session=True))
     deadline, timed_out = time.monotonic() + timeout, False
     try:
         for p in procs:
@@ -40,9 +59,9 @@ def run_nodes(cmds, tmp_path, timeout=240):
                 timed_out = True
                 break
     finally:
-        for p in procs:
+        for pid in [q for p in procs for q in descendants(p.pid)] + [p.pid for p in procs]:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     results = []
@@ -91,6 +110,45 @@ def test_two_nodes_c10d_rendezvous(tmp_path):
     assert snapshot_sha(tmp_path / "multinode.pt") == (2, rep["params_sha256"][0])
 
 
+def launch_env():
+    """launch_ddp.sh finds torchrun in the venv (or runs PYTHON -m torch.distributed.run)."""
+    return cpu_env(PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", PYTHON=sys.executable)
+
+
+# 512 samples / 2 ranks / batch 32: 8 steps per epoch; rank 1 dies at step 12, in epoch 2.
+RESTART_RUN = ["--samples", "512", "--batch-size", "32", "--log-every", "1000", "--epochs", "3"]
+
+
+@pytest.mark.slow
+def test_two_nodes_restart_after_a_worker_is_killed(tmp_path):
+    """Two nodes of one worker each (2 ranks: a sum of two gradients does not depend on the
+    order, so resumed and uninterrupted runs end bit-identical). Rank 1, on node 1, is SIGKILLed
+    in epoch 2. Node 1's agent counts a restart; node 0's agent, whose worker may still look
+    healthy, re-joins through a membership change without counting one. Both must meet again
+    (launch_ddp.sh gives torchrun a fresh store per attempt), resume from their own node-local
+    snapshot of epoch 1, and end with the weights of an uninterrupted run."""
+    port, report = free_port(), tmp_path / "report.json"
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = [["bash", ROOT / "launch_ddp.sh", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-id", "restart", "--max-restarts", "1", "multinode.py",
+              *RESTART_RUN, "--snapshot-per-node", "--checkpoint-dir", dirs[n], "--resume", "auto",
+              "--report", report, "--crash-rank", "1", "--crash-at", "12"] for n in (0, 1)]
+    results = run_nodes(nodes, tmp_path, timeout=180, env=launch_env())
+    for r in results:
+        assert_ok(r)
+    assert sum("error: rank 1 crashed on purpose" in r.stderr for r in results) == 1
+    rep = json.loads(report.read_text())
+    assert rep["world_size"] == 2 and rep["nodes"] == 2 and len(set(rep["params_sha256"])) == 1
+    assert (rep["start_epoch"], rep["epoch"]) == (1, 3)  # the restart resumed from epoch 1
+
+    base = run_torchrun("multinode.py", *RESTART_RUN, "--checkpoint-dir", tmp_path / "base",
+                        "--report", tmp_path / "base.json", nproc=2)
+    assert_ok(base)
+    expected = json.loads((tmp_path / "base.json").read_text())["params_sha256"][0]
+    assert rep["params_sha256"][0] == expected
+    assert [snapshot_sha(d / "multinode.pt") for d in dirs] == [(3, expected)] * 2
+
+
 @pytest.mark.slow
 def test_two_nodes_static_snapshot_per_node_and_resume(tmp_path):
     """Static rendezvous (--node-rank, --master-addr) and node-local snapshot dirs A and B."""
@@ -101,7 +159,7 @@ def test_two_nodes_static_snapshot_per_node_and_resume(tmp_path):
         return run_nodes([torchrun_node([f"--node-rank={n}", "--master-addr=127.0.0.1",
                                          f"--master-port={port}"],
                                         "--epochs", epochs, "--checkpoint-dir", dirs[n],
-                                        "--report", report,
+                                        "--resume", "auto", "--report", report,
                                         *(["--snapshot-per-node"] if per_node else []))
                           for n in (0, 1)], tmp_path)
 
@@ -141,7 +199,9 @@ def fake_nvidia_smi(folder, gpus):
     lines = "".join(f"echo 'GPU {i}: Fake (UUID: GPU-{i})'\n" for i in range(gpus))
     (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}" + ("exit 9\n" if gpus == 0 else ""))
     (folder / "nvidia-smi").chmod(0o755)
-    return cpu_env(PATH=f"{folder}:{os.environ['PATH']}")
+    env = cpu_env(PATH=f"{folder}:{os.environ['PATH']}")
+    del env["CUDA_VISIBLE_DEVICES"]  # a GPU machine: every GPU visible
+    return env
 
 
 def test_launch_ddp_help_and_dry_run(tmp_path):
@@ -170,6 +230,22 @@ def test_launch_ddp_help_and_dry_run(tmp_path):
         assert r.stderr.strip().splitlines()[-1].endswith(expected), (args, r.stderr)
     r = launch_sh("--dry-run", "--debug", "multinode.py", env=env)
     assert r.returncode == 0 and "NCCL_DEBUG=INFO" in r.stderr and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in r.stderr
+    # torchrun gets a fresh store per restart attempt; --max-restarts reaches torchrun (or sbatch)
+    r = launch_sh("--dry-run", "--nnodes", "2", "--rdzv-endpoint", "h0", "--max-restarts", "2",
+                  "multinode.py", env=env)
+    assert "+ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.stderr.splitlines()
+    assert "--max-restarts=2 --nnodes=2" in r.stderr.splitlines()[-1]
+    r = launch_sh("--dry-run", "--slurm", "--nproc", "4", "--max-restarts", "2", "multinode.py", env=env)
+    assert "sbatch --export=ALL\\,NPROC_PER_NODE=4\\,MAX_RESTARTS=2 " in r.stderr.splitlines()[-1]
+
+
+def test_launch_ddp_counts_only_the_gpus_cuda_visible_devices_allows(tmp_path):
+    """nvidia-smi lists all 4 GPUs of the machine; CUDA_VISIBLE_DEVICES may allow fewer."""
+    env = fake_nvidia_smi(tmp_path / "gpu4", 4)
+    for visible, nproc in [(None, 4), ("0,1", 2), ("1,2,3", 3), ("3", 1), ("", 2)]:  # "": no GPU
+        r = launch_sh("--dry-run", "multinode.py",
+                      env=env if visible is None else dict(env, CUDA_VISIBLE_DEVICES=visible))
+        assert f"--standalone --nproc-per-node={nproc} multinode.py" in r.stderr, (visible, r.stderr)
 
 
 @pytest.mark.parametrize("args", [
@@ -179,6 +255,7 @@ def test_launch_ddp_help_and_dry_run(tmp_path):
     ["--nnodes", "2", "--rdzv-endpoint", "h", "--node-rank", "0", "multinode.py"],
     ["--node-rank", "0", "--master-addr", "h", "multinode.py"],
     ["--slurm", "--master-addr", "h", "multinode.py"],
+    ["--max-restarts", "-1", "multinode.py"], ["--slurm-srun", "--max-restarts", "1", "multinode.py"],
 ])
 def test_launch_ddp_usage_errors(args):
     r = launch_sh(*args)
@@ -188,8 +265,7 @@ def test_launch_ddp_usage_errors(args):
 
 @pytest.mark.slow
 def test_launch_ddp_single_node_runs(tmp_path):
-    env = cpu_env(PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
-                  PYTHON=sys.executable)
+    env = launch_env()
     r = launch_sh("--nproc", "2", "multinode.py", *SMALL, "--epochs", "1",
                   "--checkpoint-dir", tmp_path, "--report", tmp_path / "r.json", env=env)
     assert_ok(r)

@@ -1,5 +1,6 @@
 """Lesson 4 under a real Slurm: slurm/train.sbatch (one torchrun per node) and
-slurm/train_srun.sbatch (one srun task per rank) on a 2-node allocation, on CPU with gloo.
+slurm/train_srun.sbatch (one srun task per rank, each mapping SLURM_* to RANK/LOCAL_RANK/WORLD_SIZE)
+on a 2-node allocation, on CPU with gloo.
 
 The session fixture starts a two-node Slurm on this machine with tests/slurm_cluster.sh (it installs
 munge and Slurm with apt-get if missing; needs root) and stops it at the end. Where that is
@@ -8,7 +9,6 @@ DDP_COURSE_NO_SLURM=1 to skip them rather than install Slurm on your machine."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -16,13 +16,11 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, STATE_DIR, assert_ok, cpu_env, run
+from conftest import ROOT, assert_ok, cpu_env, error_lines, run
 from multinode import params_sha256
 
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
 SCRIPTS = {"train.sbatch": "torchrun", "train_srun.sbatch": "slurm"}
-
-
 
 
 def sbatch(slurm, tmp_path, script, *args, ddp_timeout=60, timeout=300):
@@ -96,14 +94,26 @@ def test_crashing_rank_fails_the_job_fast(slurm, tmp_path, script):
 
 
 @pytest.mark.slow
-def test_srun_without_torchrun_maps_slurm_variables(slurm, tmp_path):
-    """ddp_common.setup() under a bare srun step (no sbatch script, no MASTER_ADDR/PORT set):
-    ranks from SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID, the store on the step's first node."""
-    report = tmp_path / "report.json"
-    env = cpu_env(**slurm)
-    r = run(["srun", "--nodes=2", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
-             sys.executable,
-             "multinode.py", *SMALL, "--epochs", "1", "--checkpoint-dir", tmp_path / "ckpt",
-             "--report", report], timeout=300, env=env)
-    assert_ok(r)
-    check_job(report, r.stdout + r.stderr, "slurm")
+def test_bare_srun_is_one_error_line_pointing_at_the_mapping(slurm):
+    """srun alone gives each task SLURM_* variables only. The helper does not guess ranks from
+    them: every task says, in one line, where the mapping to RANK/LOCAL_RANK/WORLD_SIZE lives
+    (slurm/train_srun.sbatch, whose tasks test_sbatch_two_nodes runs)."""
+    r = run(["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "multinode.py"],
+            timeout=120, env=cpu_env(**slurm))
+    errors = [l for l in error_lines(r) if l.startswith("error:")]  # srun adds its own lines
+    assert r.returncode == 2 and len(errors) == 2, (r.returncode, r.stderr[-2000:])
+    assert all("RANK" in e and "slurm/" in e for e in errors) and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script,line", [("train.sbatch", "HEAD="), ("train_srun.sbatch", "export MASTER_ADDR=")])
+def test_first_node_of_the_node_list_comes_from_scontrol(slurm, script, line):
+    """The scripts' own line that picks the rendezvous host, run on node lists Slurm writes."""
+    [code] = [l.strip() for l in (ROOT / "slurm" / script).read_text().splitlines()
+              if l.strip().startswith(line)]
+    var = line.split()[-1].rstrip("=")
+    for nodelist, first in [("node1", "node1"), ("node[1-2]", "node1"), ("a,b", "a"),
+                            ("gpu[03-05,9],cpu1", "gpu03"), ("x-y[7,8]", "x-y7"),
+                            ("rack[01-02]-node[01-04]", "rack01-node01")]:
+        r = subprocess.run(["bash", "-c", f'{code}\necho "${var}"'], capture_output=True, text=True,
+                           env=dict(os.environ, SLURM_JOB_NODELIST=nodelist, **slurm), timeout=30)
+        assert r.stdout.strip() == first, (nodelist, r.stdout, r.stderr)

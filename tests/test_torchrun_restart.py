@@ -9,12 +9,15 @@ import time
 import pytest
 import torch
 
-from conftest import assert_ok, cpu_env, error_lines, run, run_python, run_torchrun, torchrun_cmd
+import multi_gpu_torchrun
+from conftest import assert_ok, cpu_env, error_lines, run_python, run_torchrun, torchrun_cmd
 
 SCRIPT = "multi_gpu_torchrun.py"
-# 512 samples / 2 ranks / batch 16 = 16 steps per epoch, 3 epochs = 48 steps; a snapshot every
-# epoch and every 5 steps.
-RUN = ["3", "1", "--samples", "512", "--batch-size", "16", "--hidden", "32", "--save-every-steps", "5"]
+# 256 samples / 2 ranks / batch 16 = 8 steps per epoch, 3 epochs = 24 steps; a snapshot every
+# 3 steps and at every epoch end. A wide model (~13 MB snapshots) so that a write takes long
+# enough to be caught in the middle by the kill-while-writing test; every test shares this run.
+RUN = ["--epochs", "3", "--samples", "256", "--batch-size", "16", "--hidden", "1024",
+       "--save-every", "3"]
 TIMEOUT = 240
 
 
@@ -50,32 +53,37 @@ RESTARTS = ["--max-restarts=2"]
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """An uninterrupted run: what every interrupted run must end with."""
-    path = tmp_path_factory.mktemp("baseline") / "snap.pt"
-    r = run_torchrun(SCRIPT, *RUN, "--snapshot-path", path, timeout=TIMEOUT, extra=RESTARTS)
+    ckdir = tmp_path_factory.mktemp("baseline")
+    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", ckdir, timeout=TIMEOUT, extra=RESTARTS)
     assert_ok(r)
     assert done_lines(r)
-    return load(path)
+    # A second launch finds the job complete: nothing to train, the same state.
+    snap = load(ckdir / "snapshot.pt")
+    again = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", ckdir, timeout=TIMEOUT, extra=RESTARTS)
+    assert_ok(again)
+    assert "steps this attempt 0" in done_lines(again)[0]
+    assert_same_state(load(ckdir / "snapshot.pt"), snap)
+    return snap
 
 
 def test_uninterrupted_run_learns(baseline):
     assert baseline["history"]["starts"] == [[0, 0]]
-    assert (baseline["epoch"], baseline["batch"], baseline["step"]) == (3, 0, 48)
+    assert (baseline["epoch"], baseline["batch"], baseline["step"]) == (3, 0, 24)
     losses = baseline["history"]["losses"]
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], losses
 
 
 @pytest.mark.slow
 def test_fail_at_step_restarts_and_matches_uninterrupted(tmp_path, baseline):
-    path = tmp_path / "snap.pt"
-    r = run_torchrun(SCRIPT, *RUN, "--snapshot-path", path, "--fail-at-step", "23",
+    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11",
                      timeout=TIMEOUT, extra=RESTARTS)
     assert_ok(r)
     assert done_lines(r)
-    snap = load(path)
-    # Attempt 0 started at step 0; rank 1 died after step 23; attempt 1 resumed at the last
-    # snapshot before that, step 20 (saves every 5 steps) - not from scratch.
-    assert snap["history"]["starts"] == [[0, 0], [1, 20]]
-    assert (path.parent / "snap.pt.failed").exists()
+    snap = load(tmp_path / "snapshot.pt")
+    # Attempt 0 started at step 0; rank 1 died after step 11; attempt 1 resumed at the last
+    # snapshot before that, step 9 (saves every 3 steps) - not from scratch.
+    assert snap["history"]["starts"] == [[0, 0], [1, 9]]
+    assert (tmp_path / "snapshot.pt.failed").exists()
     assert_same_state(snap, baseline)
 
 
@@ -154,11 +162,11 @@ def snapshot_step(path):
 
 @pytest.mark.slow
 def test_external_kill_9_restarts_and_matches_uninterrupted(tmp_path, baseline):
-    path = tmp_path / "snap.pt"
-    # --step-delay only slows the loop (0.1 s a step, ~5 s in all) so the kill lands mid-run.
-    proc = start_torchrun(*RUN, "--snapshot-path", path, "--step-delay", "0.1",
+    path = tmp_path / "snapshot.pt"
+    # --step-delay only slows the loop (0.1 s a step, ~2.5 s in all) so the kill lands mid-run.
+    proc = start_torchrun(*RUN, "--checkpoint-dir", tmp_path, "--step-delay", "0.1",
                           extra=RESTARTS)
-    seen = wait_for(lambda: (snapshot_step(path) or 0) >= 10 and snapshot_step(path), proc)
+    seen = wait_for(lambda: (snapshot_step(path) or 0) >= 6 and snapshot_step(path), proc)
     victim = wait_for(lambda: worker_pid(proc.pid, rank=1), proc)
     os.kill(victim, signal.SIGKILL)
     r = finish(proc)
@@ -167,19 +175,17 @@ def test_external_kill_9_restarts_and_matches_uninterrupted(tmp_path, baseline):
     snap = load(path)
     starts = snap["history"]["starts"]
     assert len(starts) == 2 and starts[0] == [0, 0], starts
-    assert starts[1][0] == 1 and seen <= starts[1][1] < 48, (seen, starts)  # resumed, not redone
+    assert starts[1][0] == 1 and seen <= starts[1][1] < 24, (seen, starts)  # resumed, not redone
     assert_same_state(snap, baseline)
 
 
 @pytest.mark.slow
-def test_kill_while_writing_snapshot_leaves_the_previous_one(tmp_path):
+def test_kill_while_writing_snapshot_leaves_the_previous_one(tmp_path, baseline):
     """Freeze rank 0 (the writer) while its temp file exists, i.e. mid-write, check the snapshot
     on disk is still the previous, loadable one, then SIGKILL the writer. The restarted job must
     resume from that snapshot and end like an uninterrupted run."""
-    big = ["2", "1", "--samples", "256", "--batch-size", "16", "--hidden", "1024",
-           "--save-every-steps", "2"]  # 8 steps an epoch, ~13 MB snapshots: writes take a while
-    path = tmp_path / "snap.pt"
-    proc = start_torchrun(*big, "--snapshot-path", path, extra=RESTARTS)
+    path = tmp_path / "snapshot.pt"
+    proc = start_torchrun(*RUN, "--checkpoint-dir", tmp_path, extra=RESTARTS)
     caught = None
     deadline = time.monotonic() + TIMEOUT
     while caught is None and time.monotonic() < deadline and proc.poll() is None:
@@ -201,59 +207,64 @@ def test_kill_while_writing_snapshot_leaves_the_previous_one(tmp_path):
     snap = load(path)
     assert snap["history"]["starts"] == [[0, 0], [1, step_on_disk]]
     assert not glob.glob(str(path) + ".tmp*")  # the restarted rank 0 removed the torn temp file
-
-    ref_path = tmp_path / "ref.pt"
-    assert_ok(run_torchrun(SCRIPT, *big, "--snapshot-path", ref_path, timeout=TIMEOUT, extra=RESTARTS))
-    assert_same_state(snap, load(ref_path))
+    assert_same_state(snap, baseline)
 
 
 @pytest.mark.slow
 def test_no_restarts_fails_clearly_then_a_relaunch_resumes(tmp_path, baseline):
-    path = tmp_path / "snap.pt"
-    r = run_torchrun(SCRIPT, *RUN, "--snapshot-path", path, "--fail-at-step", "23",
+    path = tmp_path / "snapshot.pt"
+    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11",
                      timeout=TIMEOUT, extra=["--max-restarts=0"])
     assert r.returncode != 0
     assert not done_lines(r)
     assert any(l.startswith("error: rank 0 lost the other ranks") for l in error_lines(r)), r.stderr[-3000:]
-    assert load(path)["step"] == 20  # the last snapshot survives the failed job
+    assert load(path)["step"] == 9  # the last snapshot survives the failed job
     # Launched again (the marker stops a second suicide), the job resumes and ends the same.
-    r = run_torchrun(SCRIPT, *RUN, "--snapshot-path", path, "--fail-at-step", "23", timeout=TIMEOUT,
-                     extra=RESTARTS)
+    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11",
+                     timeout=TIMEOUT, extra=RESTARTS)
     assert_ok(r)
     snap = load(path)
-    assert snap["history"]["starts"] == [[0, 0], [0, 20]]
+    assert snap["history"]["starts"] == [[0, 0], [0, 9]]
     assert_same_state(snap, baseline)
-    # A third launch finds the job complete: nothing to train, same state.
-    assert_ok(run_torchrun(SCRIPT, *RUN, "--snapshot-path", path, timeout=TIMEOUT, extra=RESTARTS))
-    assert_same_state(load(path), baseline)
 
 
 @pytest.mark.parametrize("args", [
-    ["3", "0"],                          # SAVE_EVERY < 1
-    ["0", "1"],                          # TOTAL_EPOCHS < 1
-    ["3"],                               # SAVE_EVERY missing
-    ["three", "1"],                      # not a number
-    ["3", "1", "--batch-size", "0"],
-    ["3", "1", "--fail-at-step", "-1"],
+    ["--save-every", "-1"],
+    ["--epochs", "0"],
+    ["--epochs", "three"],               # not a number
+    ["3", "1"],                          # the old positional TOTAL_EPOCHS SAVE_EVERY
+    ["--batch-size", "0"],
+    ["--fail-at-step", "-1"],
 ])
-def test_bad_arguments_one_error_line(args):
-    r = run_python(SCRIPT, *args, timeout=TIMEOUT)
+def test_bad_arguments_one_error_line(args, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        multi_gpu_torchrun.parse_args(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == 1, err
+
+
+def test_bad_argument_from_the_command_line_is_one_clean_line():
+    r = run_python(SCRIPT, "--epochs", "0", timeout=TIMEOUT)
     assert r.returncode == 2
     assert len(error_lines(r)) == 1, r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_bad_fail_rank_under_torchrun_one_error_line(tmp_path):
-    r = run_torchrun(SCRIPT, *RUN, "--snapshot-path", tmp_path / "s.pt", "--fail-at-step", "3",
-                     "--fail-rank", "2", timeout=TIMEOUT)
-    assert r.returncode != 0
-    assert len(error_lines(r)) == 1, r.stderr[-3000:]  # printed by rank 0 only
-    assert r.stderr.count("Traceback") <= 1  # torchrun's own ChildFailedError at most, no worker's
+@pytest.mark.parametrize("rank,lines", [("0", 1), ("1", 0)])
+def test_bad_fail_rank_under_torchrun_one_error_line(rank, lines, capsys, monkeypatch):
+    """Every torchrun worker parses the flags: rank 0 prints the mistake, the others exit quietly."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        multi_gpu_torchrun.parse_args(["--fail-at-step", "3", "--fail-rank", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == lines
 
 
 def test_snapshot_from_another_model_is_one_error_line(tmp_path, baseline):
-    path = tmp_path / "snap.pt"
-    torch.save(baseline, path)
-    r = run_torchrun(SCRIPT, *RUN[:-4], "--hidden", "64", "--snapshot-path", path, timeout=TIMEOUT)
+    torch.save(baseline, tmp_path / "snapshot.pt")
+    r = run_torchrun(SCRIPT, *RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path,
+                     timeout=TIMEOUT, nproc=1)
     assert r.returncode != 0
     assert error_lines(r) and all("does not match" in l for l in error_lines(r)), r.stderr[-3000:]
