@@ -1,11 +1,8 @@
 """Lesson 5: fine-tune GPT-2 data-parallel (or train it from scratch), with mp.spawn or torchrun.
-
     python gpt2_ddp.py --nproc 2 --init-from gpt2 --text FILE --export-hf out/   # 124M in, HF out
-
 New here: mp.spawn; every rank loads the pretrained weights before DDP wraps the model; token
-windows sharded by DistributedSampler; an exact validation loss; rank 0 exports and samples text
-after leaving the group. The DDP lines are marked `# DDP:`.
-"""
+windows sharded by DistributedSampler; an exact validation loss; rank 0 exports the model for
+Hugging Face transformers (generate text there) after leaving the group. The DDP lines are marked `# DDP:`."""
 import argparse
 import collections
 import json
@@ -36,17 +33,18 @@ CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_
 
 # block_size: the context length; vocab_size: tokens (the embedding is padded to a multiple of 64)
 GPTConfig = collections.namedtuple("GPTConfig", "n_layer n_head n_embd block_size vocab_size", defaults=[50257])
-CHUNK = 128  # rows of logits the loss holds at once (see ChunkedLMHeadLoss)
 PRESETS = {"124m": GPTConfig(12, 12, 768, 1024), "tiny": GPTConfig(4, 4, 128, 256)}
+# Dense bf16 peak TFLOP/s (data sheets, SXM parts) for MFU; the first name in the GPU's name wins.
+PEAK_BF16_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel (--nproc N, or torchrun)")
+    p = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel")
     a = p.add_argument
-    a("--nproc", type=int, help="workers for mp.spawn (default: one per GPU, else 1); not under torchrun")
-    a("--init-from", default="scratch", metavar="scratch|gpt2|PATH", help="random weights (--preset); gpt2[-medium"
-      "|-large|-xl] from the Hugging Face Hub (cached in HF_HOME); or a model.safetensors or its directory")
-    a("--preset", default="tiny", choices=list(PRESETS), help="model size from scratch (default tiny)")
-    a("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="GPT-2's BPE, or bytes (no download)")
+    a("--nproc", type=int, help="mp.spawn workers (default: 1 per GPU, else 1); not with torchrun")
+    a("--init-from", default="scratch", metavar="scratch|gpt2|PATH",
+      help="random (--preset); gpt2[-medium|-large|-xl] from the Hub; a model.safetensors")
+    a("--preset", default="tiny", choices=list(PRESETS), help="model size from scratch")
+    a("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="bytes: no download")
     a("--text", required=True, help="the UTF-8 text file to train on")
     a("--max-length", type=int, default=0, help="tokens per window (default: the model's context)")
     a("--stride", type=int, default=0, help="tokens between window starts (default: max-length)")
@@ -59,124 +57,91 @@ def parse_args(argv=None):
     a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
     a("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
       help="auto: bf16 on GPUs with real bf16, else fp16 + GradScaler on CUDA; off on CPU")
-    a("--save-every", type=int, default=0, help="steps between validation + checkpoint (0 = each epoch)")
+    a("--compile", action="store_true", help="torch.compile the DDP model (slow first steps)")
+    a("--save-every", type=int, default=0, help="steps between val + checkpoint (0 = each epoch)")
     a("--checkpoint-dir", default="./checkpoints", help="where gpt2.pt goes")
-    a("--resume", metavar="PATH|auto", help="continue from a checkpoint; auto = DIR/gpt2.pt if it exists")
-    a("--export-hf", metavar="DIR", help="at the end write model.safetensors + config.json for transformers")
+    a("--resume", metavar="PATH|auto", help="continue from a checkpoint; auto = DIR/gpt2.pt if any")
+    a("--export-hf", metavar="DIR", help="write model.safetensors + config.json for transformers")
     a("--log-every", type=int, default=10)
-    a("--peak-tflops", type=float, help="the device's peak TFLOP/s (H100 bf16: 989), to print MFU")
-    a("--generate-tokens", type=int, default=100, help="tokens rank 0 samples at the end (0 = none)")
-    a("--prompt", default="I had always thought")
+    a("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU (default: bf16 table)")
     a("--seed", type=int, default=0)
     a("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     args = p.parse_args(argv)
-    least = dict(epochs=1, batch_size=1, accum_steps=1, log_every=1, max_length=0, stride=0, max_steps=0,
-                 warmup_steps=0, save_every=0, clip_grad=0, generate_tokens=0, nproc=1)
-    for k, low in least.items():
+    for k, low in dict(epochs=1, batch_size=1, accum_steps=1, log_every=1, max_length=0, stride=0, nproc=1,
+                       max_steps=0, warmup_steps=0, save_every=0, clip_grad=0).items():
         if getattr(args, k) is not None and getattr(args, k) < low:
             p.error(f"--{k.replace('_', '-')} must be at least {low}")
     return args
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; modules named as Hugging Face's, so its weights load by name."""
+    """Pre-LayerNorm block; modules named as Hugging Face's, so its weights load by name."""
     def __init__(self, cfg):
         super().__init__()
         C, self.n_head = cfg.n_embd, cfg.n_head
-        self.ln_1, self.ln_2, self.attn, self.mlp = nn.LayerNorm(C), nn.LayerNorm(C), nn.Module(), nn.Module()
-        self.attn.c_attn, self.attn.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)  # q, k, v in one matmul
+        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        self.attn.c_attn, self.attn.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)  # q, k, v at once
         self.mlp.c_fc, self.mlp.c_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-
     def forward(self, x):
         B, T, C = x.shape
         qkv = self.attn.c_attn(self.ln_1(x)).view(B, T, 3, self.n_head, C // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
         # is_causal=True masks inside the (flash) kernel. A mask buffer would cost memory and,
         # under DDP, be broadcast from rank 0 before every forward.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.attn.c_proj(y)
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))  # GPT-2's GELU
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
 
 class GPT(nn.Module):
     """GPT-2: pre-LayerNorm decoder, learned positions, tied input and output embeddings."""
     def __init__(self, cfg):
         super().__init__()
         self.config, padded = cfg, 64 * math.ceil(cfg.vocab_size / 64)  # faster matmuls
-        self.wte, self.wpe = nn.Embedding(padded, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h, self.ln_f = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)), nn.LayerNorm(cfg.n_embd)
+        self.wte = nn.Embedding(padded, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)  # learned positions
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, padded, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix, counted (and all-reduced) once
-        for name, p in self.named_parameters():  # GPT-2's init; residual projections scaled by depth
+        for name, p in self.named_parameters():  # GPT-2's init; residual layers scaled by depth
             if name.endswith("bias"):
                 nn.init.zeros_(p)
-            elif p.dim() == 2:
+            elif p.dim() == 2:  # the residual projections (c_proj) scaled down by depth
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02)
-
     def forward(self, idx, targets=None):
-        """With targets: the mean cross-entropy. Without: the last position's logits (to sample)."""
+        """With targets: the mean cross-entropy. Without: the last position's logits."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for block in self.h:
             x = block(x)
-        x = self.ln_f(x)
-        if targets is not None:
-            return ChunkedLMHeadLoss.apply(x.flatten(0, 1), self.wte.weight, targets.flatten(), self.config.vocab_size)
-        logits = self.lm_head(x[:, -1, :])
-        logits[:, self.config.vocab_size:] = float("-inf")  # padding ids are not tokens
-        return logits
-
-    def num_params(self, non_embedding=True):  # tied weights once; without positions, as nanoGPT's MFU
+        x = self.ln_f(x if targets is not None else x[:, -1, :])  # no targets: the last position
+        logits = self.lm_head(x).float()
+        logits[..., self.config.vocab_size:] = float("-inf")  # padding ids are not tokens
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    def num_params(self, non_embedding=True):  # tied weights once; no positions (nanoGPT's MFU)
         return sum(p.numel() for p in self.parameters()) - (self.wpe.weight.numel() if non_embedding else 0)
 
-class ChunkedLMHeadLoss(torch.autograd.Function):
-    """Mean cross-entropy of x @ weight.T, CHUNK rows at a time: the B*T x 50304 logits never exist
-    whole. The forward also computes both gradients (softmax - one-hot), so backward only scales them."""
-    @staticmethod
-    def forward(ctx, x, weight, targets, n_vocab):
-        grad_x, grad_w, loss = torch.empty_like(x), torch.zeros_like(weight), 0.0
-        for i in range(0, len(x), CHUNK):
-            xi, ti = x[i:i + CHUNK], targets[i:i + CHUNK]
-            logits = (xi @ weight.t()).float()
-            logits[:, n_vocab:] = float("-inf")  # padding ids are not tokens (docs/gpt2.md: why it matters)
-            lse = logits.logsumexp(dim=1)
-            loss = loss + (lse - logits.gather(1, ti[:, None])[:, 0]).sum()
-            if any(ctx.needs_input_grad):  # training: d loss / d logits = softmax - one-hot
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(len(ti), device=ti.device), ti] -= 1
-                grad_x[i:i + CHUNK] = probs.to(x.dtype) @ weight
-                grad_w.addmm_(probs.t().to(x.dtype), xi)
-        ctx.save_for_backward(grad_x / len(x), grad_w / len(x))
-        return loss / len(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad, grad_w * grad, None, None
-
-def flops_per_token(cfg, n_params, seq_len):  # as nanoGPT for MFU: 6 per parameter, plus attention
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
-
 def pretrained(init_from):
-    """The model.safetensors behind --init-from (the Hub caches it in HF_HOME) and its shapes' config."""
+    """The model.safetensors behind --init-from (the Hub caches it in HF_HOME), its config."""
     path = os.path.join(init_from, "model.safetensors") if os.path.isdir(init_from) else init_from
     if init_from in HUB_MODELS:
         from huggingface_hub import hf_hub_download
         try:
             path = hf_hub_download(f"openai-community/{init_from}", "model.safetensors")
         except Exception as e:  # offline without a cached copy, proxy, ...
-            fail(f"cannot get openai-community/{init_from} model.safetensors ({type(e).__name__}). Run once "
-                 "with network (it is then cached in HF_HOME), or download it and pass --init-from PATH", 1)
+            fail(f"cannot get openai-community/{init_from} ({type(e).__name__}). Run once with "
+                 "network (then it is cached in HF_HOME), or download it: --init-from PATH", 1)
     if not os.path.isfile(path):
-        fail(f"--init-from {init_from}: want scratch, gpt2 or a model.safetensors (or its directory)")
+        fail(f"--init-from {init_from}: want scratch, gpt2 or a model.safetensors (or its dir)")
     with safe_open(path, "pt") as f:  # reads the header only
         shape = {k.removeprefix("transformer."): f.get_slice(k).get_shape() for k in f.keys()}
-    n_vocab, n_embd = shape["wte.weight"]
-    config_json = os.path.join(os.path.dirname(path), "config.json")  # no shape says n_head; every
-    n_head = json.load(open(config_json))["n_head"] if os.path.isfile(config_json) else n_embd // 64  # GPT-2: 64
-    n_layer = sum(k.endswith(".ln_1.weight") for k in shape)
+    (n_vocab, n_embd), n_layer = shape["wte.weight"], sum(k.endswith(".ln_1.weight") for k in shape)
+    config_json = os.path.join(os.path.dirname(path), "config.json")  # no shape says n_head: read it,
+    n_head = json.load(open(config_json))["n_head"] if os.path.isfile(config_json) else n_embd // 64  # or 64 wide
     return path, GPTConfig(n_layer, n_head, n_embd, shape["wpe.weight"][0], n_vocab)
 
 @torch.no_grad()
 def load_hf_weights(model, path):
-    """Hugging Face GPT-2 weights in: Conv1D transposed, padding rows keep their init, masks skipped."""
+    """Hugging Face GPT-2 weights in: Conv1D transposed, padding rows keep their init, no masks."""
     state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
     wte = state.pop("wte.weight")
     model.wte.weight[:len(wte)] = wte
@@ -184,7 +149,7 @@ def load_hf_weights(model, path):
              if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) != {"wte.weight", "lm_head.weight"} or unexpected:
-        fail(f"{path} does not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}", code=1)
+        fail(f"{path} does not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}", 1)
 
 def export_hf(model, out_dir):
     """model.safetensors + config.json that transformers.GPT2LMHeadModel.from_pretrained reads."""
@@ -205,19 +170,19 @@ def load_tokenizer(name):
         return tiktoken.Encoding(name="bytes", pat_str=r50k_pat_str, special_tokens={"<|endoftext|>": 256},
                                  mergeable_ranks={bytes([b]): b for b in range(256)})
     try:
-        return tiktoken.get_encoding("gpt2")  # 2 files, cached in TIKTOKEN_CACHE_DIR after one download
+        return tiktoken.get_encoding("gpt2")  # 2 files, cached in TIKTOKEN_CACHE_DIR once fetched
     except Exception as e:
-        fail(f"cannot load tiktoken's gpt2 files ({type(e).__name__}). Offline: export TIKTOKEN_CACHE_DIR "
-             "to a filled cache (tests/gpt2_bpe_cache.sh), or use --tokenizer bytes", code=1)
+        fail(f"cannot load tiktoken's gpt2 files ({type(e).__name__}). Offline: set "
+             "TIKTOKEN_CACHE_DIR to a filled cache, or use --tokenizer bytes", code=1)
 
 def prepare(args, world_size):
-    """Once per job (spawn parent, or torchrun's rank 0): config, weights, resume decision, tokens."""
+    """Once per job (spawn parent, or torchrun's rank 0): config, weights, resume, tokens."""
     init, cfg = pretrained(args.init_from) if args.init_from != "scratch" else (None, PRESETS[args.preset])
     if not os.path.isfile(args.text):
         fail(f"--text {args.text} is not a file")
     enc, source = load_tokenizer(args.tokenizer), os.path.basename(args.text)
     if init and cfg.vocab_size != enc.n_vocab:  # GPT-2's weights read GPT-2's token ids
-        fail(f"--init-from {args.init_from} has {cfg.vocab_size} tokens, --tokenizer {args.tokenizer} {enc.n_vocab}")
+        fail(f"--init-from has {cfg.vocab_size} tokens, --tokenizer {args.tokenizer} {enc.n_vocab}")
     cfg = cfg._replace(vocab_size=enc.n_vocab)
     args.max_length = args.max_length or cfg.block_size
     args.stride = args.stride or args.max_length
@@ -229,31 +194,29 @@ def prepare(args, world_size):
     train, val = tokens[:len(tokens) - len(tokens) // 10], tokens[len(tokens) - len(tokens) // 10:]  # last 10%
     per_rank = math.ceil(len(TokenWindows(train, args.max_length, args.stride)) / world_size)
     if min(len(train), len(val)) <= args.max_length or per_rank < args.batch_size:
-        fail(f"{source}: {len(train)} training and {len(val)} validation tokens are too few for {world_size} ranks x "
-             f"{args.batch_size} windows of {args.max_length}: lower --max-length, --stride or --batch-size")
-    return {"train": train, "val": val, "tokenizer": args.tokenizer, "source": source, "config": cfg._asdict(),
-            "init": init, "resume": None if args.resume == "auto" and not os.path.isfile(resume) else resume,
-            "max_length": args.max_length, "stride": args.stride}
+        fail(f"{source}: {len(train)} training and {len(val)} validation tokens are too few for {world_size} "
+             f"ranks x {args.batch_size} windows of {args.max_length}: lower --max-length, --stride or --batch-size")
+    resume = None if args.resume == "auto" and not os.path.isfile(resume) else resume
+    return {"train": train, "val": val, "tokenizer": args.tokenizer, "source": source, "resume": resume,
+            "config": cfg._asdict(), "init": init, "max_length": args.max_length, "stride": args.stride}
 
 class TokenWindows(Dataset):
     """Window i starts at i * stride; its targets are its inputs shifted left by one token."""
     def __init__(self, tokens, max_length, stride):
         self.tokens, self.max_length = tokens, max_length
         self.starts = range(0, len(tokens) - max_length, stride)  # start + max_length < len
-
     def __len__(self):
         return len(self.starts)
-
     def __getitem__(self, i):
         chunk = self.tokens[self.starts[i]:self.starts[i] + self.max_length + 1]
         return chunk[:-1], chunk[1:]
 
-def build_loaders(train_set, val_set, rank, world_size, batch_size, seed, pin_memory=False):
-    # DDP: the sampler gives every rank as many windows; validation windows r, r+W, ... (no padding: exact)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-    train_loader = DataLoader(train_set, batch_size, sampler=sampler, drop_last=True, pin_memory=pin_memory)
-    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    return train_loader, sampler, DataLoader(val_shard, batch_size, pin_memory=pin_memory)
+def build_loaders(train_set, val_set, rank, world, batch_size, seed, pin=False):
+    # DDP: the sampler gives every rank as many windows; validation: windows r, r+W, ... (exact)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    train = DataLoader(train_set, batch_size, sampler=sampler, drop_last=True, pin_memory=pin)
+    val_shard = Subset(val_set, range(rank, len(val_set), world))
+    return train, sampler, DataLoader(val_shard, batch_size, pin_memory=pin)
 
 def batches(loader, sampler, epoch=0, skip=0):
     """Endless (epoch, inputs, targets), from batch `skip` of `epoch` on (a resumed run)."""
@@ -272,16 +235,17 @@ def lr_at(step, args, total_steps):
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 def build(args, ddp, data):
-    """Model (scratch, pretrained or resumed) in DDP, AdamW, AMP choice, GradScaler (fp16), state."""
+    """Model (scratch, pretrained or resumed) in DDP, AdamW, AMP, GradScaler (fp16), state."""
     cuda = ddp.device.type == "cuda"
-    real_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)  # a T4 only emulates it
+    real_bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)  # T4: emulated
     amp = {"auto": "bf16" if real_bf16 else "fp16" if cuda else "off"}.get(args.amp, args.amp)
     if (amp == "fp16" and not cuda) or (amp == "bf16" and cuda and not real_bf16):
         fail(f"--amp {amp} is not for this device: use --amp auto or off", rank0_only=True)
     set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP broadcasts them too)
     model = GPT(GPTConfig(**data["config"]))
     if data["init"] and not data["resume"]:  # every rank loads; another node fetches its own copy
-        load_hf_weights(model, data["init"] if os.path.isfile(data["init"]) else pretrained(args.init_from)[0])
+        local = data["init"] if os.path.isfile(data["init"]) else pretrained(args.init_from)[0]
+        load_hf_weights(model, local)
     model.to(ddp.device)
     decay = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -294,6 +258,10 @@ def build(args, ddp, data):
     # DDP: gradients are all-reduced in buckets during backward; gradient_as_bucket_view makes each
     # .grad a view into its bucket, so gradients are not held twice.
     ddp_model = DDP(model, device_ids=[ddp.device.index] if cuda else None, gradient_as_bucket_view=True)
+    if args.compile:
+        # DDP: compile after the wrap, so Dynamo splits the graph at the bucket boundaries and each
+        # bucket's all-reduce still overlaps the backward. no_sync and .module pass through.
+        ddp_model = torch.compile(ddp_model)
     return model, ddp_model, optimizer, scaler, amp, state
 
 def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast):
@@ -307,7 +275,7 @@ def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast)
         total += loss.detach()
     if clip_grad:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(ddp_model.module.parameters(), clip_grad)  # same on every rank
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip_grad)  # same on every rank
     scaler.step(optimizer)
     scaler.update()
     # DDP: zero in place. set_to_none=True drops the bucket views: autograd would allocate a new
@@ -328,26 +296,35 @@ def evaluate(model, val_loader, ddp, autocast):
     model.train()
     return (totals[0] / totals[1]).item()
 
+def flops_per_token(cfg, n_params, seq_len):  # as nanoGPT for MFU: 6 per parameter, plus attention
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
+
+def peak_tflops(ddp, args, amp):  # for MFU: --peak-tflops, else the bf16 table for a known GPU
+    if args.peak_tflops or ddp.device.type != "cuda" or amp != "bf16":
+        return args.peak_tflops
+    return next((t for gpu, t in PEAK_BF16_TFLOPS.items() if gpu in torch.cuda.get_device_name(ddp.device)), None)
+
 def train(args, ddp, data):
     """Train on this rank; returns the bare model and the results."""
     model, ddp_model, optimizer, scaler, amp, state = build(args, ddp, data)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     autocast = torch.autocast(ddp.device.type, dtype=dtype, enabled=dtype is not None)
-    L = data["max_length"]
-    train_set, val_set = TokenWindows(data["train"], L, data["stride"]), TokenWindows(data["val"], L, L)
-    train_loader, sampler, val_loader = build_loaders(train_set, val_set, ddp.rank, ddp.world_size,
-                                                      args.batch_size, args.seed, ddp.device.type == "cuda")
+    L, cuda = data["max_length"], ddp.device.type == "cuda"
+    train_set = TokenWindows(data["train"], L, data["stride"])
+    train_loader, sampler, val_loader = build_loaders(train_set, TokenWindows(data["val"], L, L), ddp.rank,
+                                                      ddp.world_size, args.batch_size, args.seed, cuda)
     per_epoch = len(train_loader) // args.accum_steps
     schedule = args.epochs * per_epoch  # the lr schedule's length; --max-steps only stops early
     total, step, val_losses = min(schedule, args.max_steps or schedule), state["step"], state["val_losses"]
     stream = batches(train_loader, sampler, *divmod(step * args.accum_steps, len(train_loader)))
     tokens_per_step = args.batch_size * L * args.accum_steps * ddp.world_size
-    fpt, peak = flops_per_token(model.config, model.num_params(), L), args.peak_tflops
-    mfu = lambda rate: f"{100 * fpt * rate / ddp.world_size / (peak * 1e12):.1f}%" if peak else "n/a"
+    fpt, peak = flops_per_token(model.config, model.num_params(), L), peak_tflops(ddp, args, amp)
+    mfu = lambda rate: f"{100 * fpt * rate / ddp.world_size / peak / 1e12:.1f}%" if peak else "n/a"
     print0(f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} | model "
-           f"{model.num_params(False) / 1e6:.1f}M params | world {ddp.world_size} | backend {ddp.backend} | device "
-           f"{ddp.device.type} | amp {amp} | batch {args.batch_size}x{L} tokens/rank x {args.accum_steps} accum = "
-           f"{tokens_per_step} tokens/step | windows {len(train_set)} train | steps {total}")
+           f"{model.num_params(False) / 1e6:.1f}M params | world {ddp.world_size} | backend {ddp.backend} | "
+           f"device {ddp.device.type} | amp {amp} | compile {args.compile} | batch {args.batch_size}x{L} "
+           f"tokens/rank x {args.accum_steps} accum = {tokens_per_step} tokens/step | windows "
+           f"{len(train_set)} train | steps {total}")
     if step == 0:
         val_losses.append([0, evaluate(model, val_loader, ddp, autocast)])
         print0(f"step 0/{total} | val_loss {val_losses[-1][1]:.4f}")
@@ -364,12 +341,12 @@ def train(args, ddp, data):
         step += 1
         if step % args.log_every == 0 or step == total:
             n, now = step - logged, time.perf_counter()
-            dist.all_reduce(loss_sum)  # DDP: for the log line only (gloo has no AVG: sum, then divide)
+            dist.all_reduce(loss_sum)  # DDP: for the log line only (gloo has no AVG: sum, divide)
             rate = n * tokens_per_step / (now - t_log)
-            mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f}GiB" if ddp.device.type == "cuda" else ""
-            print0(f"epoch {epoch + 1} | step {step}/{total} | loss {loss_sum.item() / n / ddp.world_size:.4f} | "
-                   f"lr {lr:.2e} | {rate:.0f} tokens/s | mfu {mfu(rate)}{mem} | "
-                   f"eta {(total - step) * (now - t_start) / (step - start):.0f}s")
+            mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0
+            print0(f"epoch {epoch + 1} | step {step}/{total} | loss {loss_sum.item() / n / ddp.world_size:.4f} "
+                   f"| lr {lr:.2e} | {rate:.0f} tokens/s | mfu {mfu(rate)}{f' | mem {mem:.1f}GiB' if mem else ''}"
+                   f" | eta {(total - step) * (now - t_start) / (step - start):.0f}s")
             t_log, logged, loss_sum = now, step, torch.zeros((), device=ddp.device)
         if step % (args.save_every or per_epoch) == 0 or step == total:
             t_pause = time.perf_counter()
@@ -381,62 +358,43 @@ def train(args, ddp, data):
                              "tokenizer": data["tokenizer"]}, os.path.join(args.checkpoint_dir, "gpt2.pt"))
             t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
     return model, {"steps": step, "tokens_per_s": rate, "mfu": mfu(rate), "val_losses": val_losses,
-                   "time": time.perf_counter() - t_start, "autocast": autocast}
-
-@torch.no_grad()
-def generate(model, prompt_ids, n_tokens, device, autocast, seed=0, temperature=0.8, top_k=50):
-    """Sample after the prompt from the bare model (no DDP: nothing collective)."""
-    model.eval()
-    g = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    for _ in range(n_tokens):
-        with autocast:
-            logits = model(idx[:, -model.config.block_size:]).float() / temperature
-        logits[logits < torch.topk(logits, min(top_k, model.config.vocab_size)).values[:, [-1]]] = -float("inf")
-        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=g)], dim=1)
-    return idx[0].tolist()
+                   "time": time.perf_counter() - t_start}
 
 def worker(rank, world_size, args, data):
     """One process. mp.spawn passes rank, world size, data; under torchrun rank 0 prepares them."""
     ddp = setup(args.backend, rank=rank, world_size=world_size)  # DDP: join the process group
-    if data is None:
-        box = [prepare(args, ddp.world_size) if ddp.is_main else None]  # a failure here stops torchrun
+    if data is None:  # torchrun: rank 0 prepares (or fails: torchrun stops the rest)
+        box = [prepare(args, ddp.world_size) if ddp.is_main else None]
         dist.broadcast_object_list(box, src=0)  # DDP: every rank gets rank 0's tokens and decisions
         data = box[0]
     model, res = train(args, ddp, data)
     # DDP: every rank leaves the group here, together. Nothing after this is collective, so rank 0
-    # can export and sample while the others exit (print0 no longer knows the rank: test is_main).
+    # can export while the others exit (print0 no longer knows the rank: test is_main).
     cleanup()
     if not ddp.is_main:
         return
     if args.export_hf:
         export_hf(model, args.export_hf)
-    sample = ""
-    if args.generate_tokens:
-        enc = load_tokenizer(data["tokenizer"])
-        prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
-        ids = generate(model, prompt, args.generate_tokens, ddp.device, res["autocast"], args.seed)
-        print(f"sample:\n{enc.decode(ids)}\n", flush=True)
-        sample = f" | sample {len(ids) - len(prompt)} tokens"
     print(f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} | backend "
           f"{ddp.backend} | device {ddp.device.type} | steps {res['steps']} | val_loss {res['val_losses'][-1][1]:.4f}"
-          f" | {res['tokens_per_s']:.0f} tokens/s | mfu {res['mfu']}{sample} | time {res['time']:.1f}s", flush=True)
+          f" | {res['tokens_per_s']:.0f} tokens/s | mfu {res['mfu']} | time {res['time']:.1f}s", flush=True)
 
 def spawn_workers(args):
     """mp.spawn launch: prepare once here, pick the rendezvous port, start one worker per rank."""
     nproc = args.nproc or torch.cuda.device_count() or 1  # more than the GPUs: setup() says so
     data = prepare(args, nproc)
-    # DDP: the workers find rank 0 here (mp.spawn starts local processes: one node).
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # the error line says it
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DDP: the workers find rank 0 here: mp.spawn
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # starts local processes (one node)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our line says it
     try:  # DDP: nproc processes run worker(rank, nproc, args, data); one failing stops the rest
         mp.spawn(worker, args=(nproc, args, data), nprocs=nproc, join=True)
     except mp.ProcessRaisedException as e:  # a Python exception: its last line, not 40 lines
         fail(f"rank {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}", code=1)
-    except mp.ProcessExitedException as e:  # exit 1 or 2: it left through fail(), its line is printed
-        sys.exit(e.exit_code) if e.exit_code in (1, 2) else fail(f"rank {e.error_index} died ({e.signal_name})", 1)
+    except mp.ProcessExitedException as e:  # exit 1 or 2: it left through fail(), line printed
+        if e.exit_code in (1, 2):
+            sys.exit(e.exit_code)
+        fail(f"rank {e.error_index} died ({e.signal_name})", 1)
 
 if __name__ == "__main__":
     args = parse_args()
-    worker(None, None, args, None) if "RANK" in os.environ else spawn_workers(args)  # RANK: torchrun
+    worker(None, None, args, None) if "RANK" in os.environ else spawn_workers(args)  # torchrun or not

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,33 @@ def cpu_env(**extra):
     return env
 
 
+def descendants(pid):
+    """Every process below pid. torchrun starts its workers in sessions of their own, so killing
+    the agent's process group alone would leave them running."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found, todo = found + kids, todo + kids
+    return found
+
+
+def kill_tree(*pids):
+    """SIGKILL each pid's process group and every process below it (stragglers of a failed run)."""
+    for pid in [q for p in pids for q in descendants(p)] + list(pids):
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def run(cmd, timeout=180, env=None, cwd=None):
     """Run cmd in its own session; on timeout kill the whole group and fail the test.
     Any stragglers (workers of a crashed launcher) are killed too."""
@@ -45,10 +73,7 @@ def run(cmd, timeout=180, env=None, cwd=None):
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
                     f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(proc.pid)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -64,33 +89,51 @@ def run_torchrun(script, *args, nproc=2, timeout=180, env=None, extra=()):
                env=env or cpu_env())
 
 
+def run_nodes(cmds, tmp_path=None, timeout=240, env=None):
+    """Start the node commands at once (like on two machines) and wait for all. Output goes to
+    files (a full pipe would block one node while we wait on the other); on timeout every process
+    (agents and their workers) is killed and the test fails showing each node's output."""
+    import tempfile
+    procs, logs = [], []
+    for cmd in cmds:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env or cpu_env(),
+                                      text=True, stdout=out, stderr=err, start_new_session=True))
+    deadline, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        kill_tree(*(p.pid for p in procs))
+    results = []
+    for p, cmd, (out, err) in zip(procs, cmds, logs):
+        p.wait()
+        out.seek(0), err.seek(0)
+        results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    if timed_out:
+        pytest.fail(f"timed out after {timeout}s\n" + "\n".join(
+            f"--- node {i} (exit {r.returncode}) stdout\n{r.stdout[-2000:]}\n--- stderr\n"
+            f"{r.stderr[-3000:]}" for i, r in enumerate(results)))
+    return results
+
+
 def run_torchrun_nodes(script, node_args, nproc=1, timeout=180, env=None, extra=()):
     """Several torchrun agents on this machine, one per "node", sharing one c10d rendezvous
     (what a cluster with node-local disks looks like). node_args[i]: the script's arguments on
     node i. c10d ranks nodes by sorted address, so node i gets --local-addr 127.0.0.<i+1> and is
     GROUP_RANK i. Returns one CompletedProcess per node; all are killed on timeout."""
     endpoint = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}",
-         f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-         "--rdzv-id=nodes", f"--local-addr=127.0.0.{i + 1}", *extra, str(ROOT / script),
-         *map(str, args)], cwd=ROOT, env=env or cpu_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for i, args in enumerate(node_args)]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"timed out after {timeout}s: {' '.join(procs[0].args)}")
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return results
+    return run_nodes([[sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}",
+                       f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint={endpoint}", "--rdzv-id=nodes",
+                       f"--local-addr=127.0.0.{i + 1}", *extra, ROOT / script, *args]
+                      for i, args in enumerate(node_args)], timeout=timeout, env=env)
 
 
 def run_python(script, *args, timeout=180, env=None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ddp_common
-from conftest import ROOT, cpu_env, error_lines, free_port, init_spawned, run, run_python, \
+from conftest import cpu_env, error_lines, free_port, init_spawned, run, run_python, \
     run_torchrun, spawn
 
 PROBE = "tests/probe_setup.py"

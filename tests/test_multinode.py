@@ -3,16 +3,13 @@ with c10d and with static rendezvous; per-node snapshots and resume; a worker ki
 and the job restarted across both; launch_ddp.sh."""
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import ROOT, assert_ok, cpu_env, error_lines, free_port, run, run_python, \
-    run_torchrun
+from conftest import (ROOT, assert_ok, cpu_env, error_lines, free_port, run, run_nodes, run_python,
+                      run_torchrun)
 from multinode import params_sha256
 
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
@@ -21,60 +18,6 @@ SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
 def torchrun_node(node_args, *script_args):
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
             *node_args, ROOT / "multinode.py", *SMALL, *script_args]
-
-
-def descendants(pid):
-    """Every process below pid. torchrun starts its workers in sessions of their own, so killing
-    the agent's process group would leave them running."""
-    children = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found, todo = found + kids, todo + kids
-    return found
-
-
-def run_nodes(cmds, tmp_path, timeout=240, env=None):
-    """Start the node commands at once (like on two machines) and wait for all. Output goes to
-    files (a full pipe would block one node while we wait on the other); on timeout every process
-    (agents and their workers) is killed and the test fails showing each node's output."""
-    procs, logs = [], []
-    for i, cmd in enumerate(cmds):
-        out, err = open(tmp_path / f"node{i}.out", "w+"), open(tmp_path / f"node{i}.err", "w+")
-        logs.append((out, err))
-        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env or cpu_env(),
-                                      text=True, stdout=out, stderr=err, start_new_session=True))
-    deadline, timed_out = time.monotonic() + timeout, False
-    try:
-        for p in procs:
-            try:
-                p.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
-    finally:
-        for pid in [q for p in procs for q in descendants(p.pid)] + [p.pid for p in procs]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    results = []
-    for p, cmd, (out, err) in zip(procs, cmds, logs):
-        p.wait()
-        out.seek(0), err.seek(0)
-        results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
-        out.close(), err.close()
-    if timed_out:
-        pytest.fail(f"timed out after {timeout}s\n" + "\n".join(
-            f"--- node {i} (exit {r.returncode}) stdout\n{r.stdout[-2000:]}\n--- stderr\n{r.stderr[-3000:]}"
-            for i, r in enumerate(results)))
-    return results
 
 
 def check_two_node_report(report, launcher="torchrun"):

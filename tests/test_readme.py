@@ -4,12 +4,14 @@
    appended to the line above (the small CPU run the page promises); ```sh blocks are templates
    and are not run. Slurm blocks run under the real test Slurm (`slurm` in conftest); the set-up
    block (`python3 -m venv .venv ...`) runs in the repository itself, against its own venv.
-   Each block runs ONCE per test session; the output check below reuses that run.
+   Each block runs ONCE per test session (pages that print the same command share one run); the
+   output check below reuses that run.
 
 2. Outputs. A ```text block is the output of the nearest ```bash block above it in the same
    page when no ```sh or other ```text block lies between them (prose and ```python excerpts
-   may), or when it is fenced ```text output (then: of the nearest ```bash block above it). A ```text block with any other word after
-   `text` (```text h100, ```text excerpt) was measured elsewhere and is not compared. An output
+   may), or when it is fenced ```text output (then: of the nearest ```bash block above it). A
+   ```text block with any other word after `text` (```text h100, ```text measured) was measured
+   elsewhere and is not compared. An output
    block must match what its command printed in this session (stdout and stderr), FIELD BY
    FIELD. Each shown line is one of:
    - a field line: it contains ` | `, or starts with a `word:` keyword (`start:`, `done:`,
@@ -146,15 +148,16 @@ def repo_copy(dest):
     return dest
 
 
-_RUNS = {}  # block key -> CompletedProcess: each block runs once per session
+_RUNS = {}  # script -> CompletedProcess: each block (and each identical script) runs once
 
 
 @pytest.fixture
 def ran(request, tmp_path_factory):
     def get(block):
-        if block.key not in _RUNS:
-            _RUNS[block.key] = run_block(block, request, tmp_path_factory)
-        return _RUNS[block.key]
+        script = script_of(block)
+        if script not in _RUNS:
+            _RUNS[script] = run_block(block, request, tmp_path_factory)
+        return _RUNS[script]
     return get
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every lesson for a few steps on CUDA with its GPU paths on: fused optimizers, bf16, fp16 with a
+# GradScaler, ZeRO save + resume with fused AdamW, torch.compile, SyncBatchNorm, comm hooks.
+# The CPU test suite cannot reach these paths; run this on any GPU machine you get:
+#     bash tests/gpu_check.sh            # uses every visible GPU (2+ also tests NCCL across GPUs)
+# Prints one PASS/FAIL line per check and exits non-zero if any failed; exits 0 with a `skip:`
+# line where no CUDA GPU is visible. Logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check).
+# GPU_CHECK_FORCE=1 GPU_CHECK_NPROC=2 runs the same commands on CPU processes: a smoke test of the
+# flags, not of the GPU paths.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+N=${GPU_CHECK_NPROC:-$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")}
+if [ "${N:-0}" -lt 1 ] && [ -z "${GPU_CHECK_FORCE:-}" ]; then echo "skip: no CUDA GPU visible"; exit 0; fi
+LOGS=${GPU_CHECK_LOGS:-/tmp/gpu_check}
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+"$PY" -c "import torch; c = torch.cuda.is_available(); print('gpu:', torch.cuda.get_device_name(0) if c
+else 'none (forced run on CPU)', '| torch', torch.__version__, '| bf16 (real):',
+c and torch.cuda.is_bf16_supported(including_emulation=False))"
+TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$N")
+fails=0
+check() {  # check NAME CMD...: run, keep the log, print PASS/FAIL with the last `done:` line
+    local name=$1; shift
+    if timeout 600 "$@" >"$LOGS/$name.log" 2>&1; then
+        echo "PASS $name | $(grep -h '^done:' "$LOGS/$name.log" | tail -n1)"
+    else
+        echo "FAIL $name (exit $?) | $(tail -n 3 "$LOGS/$name.log" | tr '\n' ' ')"
+        fails=$((fails + 1))
+    fi
+}
+C="$LOGS/ckpt"
+check l0_minimal "$PY" ddp_minimal.py --nproc "$N" --epochs 2
+check l1_mnist_fused_adam "${TR[@]}" ddp_mnist.py --data synthetic --max-steps 50 --checkpoint-dir "$C/l1"
+check l2_bf16 "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --max-steps 20 --amp bf16 \
+    --checkpoint-dir "$C/l2bf16"
+check l2_fp16_scaler_clip_accum "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --max-steps 20 \
+    --amp fp16 --clip-grad 1 --accum-steps 2 --checkpoint-dir "$C/l2fp16"
+check l2_compile "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --max-steps 20 --compile \
+    --checkpoint-dir "$C/l2compile"
+check l2_save "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --epochs 2 --max-steps 10 \
+    --save-every 5 --checkpoint-dir "$C/l2resume"
+check l2_resume "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --epochs 2 --max-steps 20 \
+    --resume auto --checkpoint-dir "$C/l2resume"
+check l3_restart "$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" --max-restarts=1 \
+    multi_gpu_torchrun.py --epochs 2 --save-every 10 --fail-at-step 15 --fail-rank 0 --checkpoint-dir "$C/l3"
+check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --checkpoint-dir "$C/l4"
+check l5_bf16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --text README.md --max-steps 20 --amp bf16 \
+    --checkpoint-dir "$C/l5"
+check l5_fp16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --text README.md --max-steps 20 --amp fp16 \
+    --clip-grad 1 --checkpoint-dir "$C/l5fp16"
+check l5_compile "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --text README.md --max-steps 20 --compile \
+    --checkpoint-dir "$C/l5compile"
+check l6_benchmark "$PY" ddp_benchmark.py --quick --max-procs "$N"
+check l7_zero_fused_save "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sync-bn --comm-hook powersgd \
+    --powersgd-warmup 10 --epochs 1 --max-steps 40 --checkpoint-dir "$C/l7"
+check l7_zero_fused_resume "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sync-bn --comm-hook powersgd \
+    --powersgd-warmup 10 --epochs 1 --checkpoint-dir "$C/l7" --resume auto
+check l7_bf16_hook "${TR[@]}" ddp_knobs.py --comm-hook bf16 --epochs 1
+check gpu_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_knobs.py -k gpu
+echo "gpu_check: $fails failed"
+[ "$fails" -eq 0 ]
