@@ -44,11 +44,11 @@ check l2_resume "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --epoc
 check l3_restart "$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" --max-restarts=1 \
     multi_gpu_torchrun.py --epochs 2 --save-every 10 --fail-at-step 15 --fail-rank 0 --checkpoint-dir "$C/l3"
 check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --checkpoint-dir "$C/l4"
-check l5_bf16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --text README.md --max-steps 20 --amp bf16 \
+check l5_bf16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --amp bf16 \
     --checkpoint-dir "$C/l5"
-check l5_fp16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --text README.md --max-steps 20 --amp fp16 \
+check l5_fp16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --amp fp16 \
     --clip-grad 1 --checkpoint-dir "$C/l5fp16"
-check l5_compile "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --text README.md --max-steps 20 --compile \
+check l5_compile "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --compile \
     --checkpoint-dir "$C/l5compile"
 check l6_benchmark "$PY" ddp_benchmark.py --quick --max-procs "$N"
 check l7_zero_fused_save "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sync-bn --comm-hook powersgd \
