@@ -214,6 +214,28 @@ def crash(rank):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def train_epoch(args, ddp, model, optimizer, loader, epoch, step, resumed):
+    """One pass over this rank's shard; returns the step count. Logs every --log-every steps."""
+    loss_sum, n, t_log = torch.zeros((), device=ddp.device), 0, time.perf_counter()
+    for x, y in loader:
+        x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP: gradients all-reduced across ALL nodes' ranks here
+        optimizer.step()
+        loss_sum, n, step = loss_sum + loss.detach(), n + 1, step + 1
+        if args.crash_rank == ddp.rank and args.crash_at == str(step) and not resumed:
+            crash(ddp.rank)
+        if step % args.log_every == 0:
+            now = time.perf_counter()  # .item() waits for the GPU: once per log line only
+            print0(f"epoch {epoch + 1}/{args.epochs} | step {step} | loss {loss_sum.item() / n:.4f} | "
+                   f"{n * args.batch_size * ddp.world_size / (now - t_log):.0f} samples/s")
+            loss_sum, n, t_log = torch.zeros((), device=ddp.device), 0, now
+        if step == args.max_steps:
+            break
+    return step
+
+
 def main():
     args = parse_args()
     if args.crash_at == "start" and args.crash_rank == int(os.environ.get("RANK", -1)):
@@ -245,29 +267,10 @@ def main():
            f"{ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
            f"{args.batch_size * ddp.world_size} global | epoch {start_epoch}/{args.epochs} | "
            f"snapshot {snapshot_path(args)} by {saver}")
-    step, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
-    loss_sum = torch.zeros((), device=ddp.device)
-    done_epoch = start_epoch
+    step, t_start, done_epoch = 0, time.perf_counter(), start_epoch
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
-        for x, y in loader:
-            x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP: gradients all-reduced across ALL nodes' ranks here
-            optimizer.step()
-            loss_sum += loss.detach()
-            step += 1
-            if args.crash_rank == ddp.rank and args.crash_at == str(step) and start_epoch == 0:
-                crash(ddp.rank)
-            if step % args.log_every == 0:
-                now = time.perf_counter()  # .item() waits for the GPU: once per log line only
-                rate = args.log_every * args.batch_size * ddp.world_size / (now - t_log)
-                print0(f"epoch {epoch + 1}/{args.epochs} | step {step} | loss "
-                       f"{loss_sum.item() / args.log_every:.4f} | {rate:.0f} samples/s")
-                t_log, loss_sum = now, torch.zeros((), device=ddp.device)
-            if step == args.max_steps:
-                break
+        step = train_epoch(args, ddp, model, optimizer, loader, epoch, step, start_epoch > 0)
         val_loss, val_acc = evaluate(model.module, test_set, ddp, args.batch_size)
         print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {100 * val_acc:.2f}%")
         # DDP: every rank calls it (barrier inside); rank 0, or local rank 0 per node, writes.
