@@ -144,7 +144,7 @@ def to_input(x, norm, augment=None):
         crops = F.pad(x, (4,) * 4).unfold(2, x.shape[2], 1).unfold(3, x.shape[3], 1)  # (n, c, 9, 9, h, w) view
         x = crops[torch.arange(len(x), device=x.device), :, r % 9, r // 9 % 9]  # each sample's crop
         x = torch.where((r // 81 % 2).bool()[:, None, None, None], x.flip(3), x)  # and flip
-    return (x.float().div_(255) - norm[0]) / norm[1]
+    return (x.contiguous(memory_format=torch.channels_last).float().div_(255) - norm[0]) / norm[1]
 
 
 def pick_amp(choice, device):
@@ -274,8 +274,8 @@ def build(args, ddp):
     job.total_steps = args.epochs * job.steps_per_epoch
     job.run_steps = min(job.total_steps, args.max_steps or job.total_steps)
     job.world_lr = args.lr * ddp.world_size  # linear scaling rule: W x the batch, W x the LR
-    job.model = build_model(args.model).to(ddp.device)
-    opt = dict(lr=job.world_lr, weight_decay=args.weight_decay, fused=ddp.device.type == "cuda")  # fused: 1 kernel
+    job.model = build_model(args.model).to(ddp.device, memory_format=torch.channels_last)  # NHWC: faster convs
+    opt = dict(lr=job.world_lr, weight_decay=args.weight_decay, fused=True)  # fused: 1 kernel (CPU too)
     job.optimizer = (torch.optim.SGD(job.model.parameters(), momentum=0.9, **opt) if args.optimizer == "sgd"
                      else torch.optim.AdamW(job.model.parameters(), **opt))
     warm, total = min(job.total_steps, round(args.warmup_epochs * job.steps_per_epoch)), job.total_steps

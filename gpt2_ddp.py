@@ -5,6 +5,7 @@ windows sharded by DistributedSampler; an exact validation loss; rank 0 exports 
 Hugging Face transformers (generate text there) after leaving the group. The DDP lines are marked `# DDP:`."""
 import argparse
 import collections
+import itertools
 import json
 import logging
 import math
@@ -31,11 +32,9 @@ HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # openai-communit
 # Hugging Face stores these as Conv1D weights, (in, out): the transpose of nn.Linear's.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
-# block_size: the context length; vocab_size: tokens (the embedding is padded to a multiple of 64)
 GPTConfig = collections.namedtuple("GPTConfig", "n_layer n_head n_embd block_size vocab_size", defaults=[50257])
-PRESETS = {"124m": GPTConfig(12, 12, 768, 1024), "tiny": GPTConfig(4, 4, 128, 256)}
-# Dense bf16 peak TFLOP/s (data sheets, SXM parts) for MFU; the first name in the GPU's name wins.
-PEAK_BF16_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}
+PRESETS = {"124m": GPTConfig(12, 12, 768, 1024), "tiny": GPTConfig(4, 4, 128, 256)}  # block_size: the context
+LOSS_CHUNK = {"cpu": 2**22, "cuda": 2**28}  # logits per chunk of the loss: see LMHeadLoss
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel")
@@ -47,7 +46,6 @@ def parse_args(argv=None):
     a("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="bytes: no download")
     a("--text", required=True, help="the UTF-8 text file to train on")
     a("--max-length", type=int, default=0, help="tokens per window (default: the model's context)")
-    a("--stride", type=int, default=0, help="tokens between window starts (default: max-length)")
     a("--epochs", type=int, default=10, help="passes over the windows; the lr schedule spans them")
     a("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0 = no cap)")
     a("--batch-size", type=int, default=8, help="windows per micro-batch PER RANK")
@@ -63,11 +61,10 @@ def parse_args(argv=None):
     a("--resume", metavar="PATH|auto", help="continue from a checkpoint; auto = DIR/gpt2.pt if any")
     a("--export-hf", metavar="DIR", help="write model.safetensors + config.json for transformers")
     a("--log-every", type=int, default=10)
-    a("--peak-tflops", type=float, help="one device's peak TFLOP/s for MFU (default: bf16 table)")
     a("--seed", type=int, default=0)
     a("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     args = p.parse_args(argv)
-    for k, low in dict(epochs=1, batch_size=1, accum_steps=1, log_every=1, max_length=0, stride=0, nproc=1,
+    for k, low in dict(epochs=1, batch_size=1, accum_steps=1, log_every=1, max_length=0, nproc=1,
                        max_steps=0, warmup_steps=0, save_every=0, clip_grad=0).items():
         if getattr(args, k) is not None and getattr(args, k) < low:
             p.error(f"--{k.replace('_', '-')} must be at least {low}")
@@ -86,11 +83,33 @@ class Block(nn.Module):
         B, T, C = x.shape
         qkv = self.attn.c_attn(self.ln_1(x)).view(B, T, 3, self.n_head, C // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, heads, T, head size)
-        # is_causal=True masks inside the (flash) kernel. A mask buffer would cost memory and,
-        # under DDP, be broadcast from rank 0 before every forward.
+        # is_causal: the mask lives in the kernel; a mask buffer would be broadcast by DDP every forward
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
+
+class LMHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of the logits x @ w.T and its gradients, a chunk of rows at a time: the (tokens x vocab)
+    logits never exist at once. Chunks: CPU 16 MB, under glibc's 32 MB mmap ceiling, so each reuses the last one's
+    memory instead of faulting in fresh pages; GPU 1 GiB, big full-speed matmuls."""
+    @staticmethod
+    def forward(ctx, x, w, targets, vocab, grad):
+        rows, loss = max(1, LOSS_CHUNK[x.device.type] // len(w)), 0.0
+        ctx.dx, ctx.dw = torch.empty_like(x), torch.zeros_like(w)
+        for xs, t, dx in zip(x.split(rows), targets.split(rows), ctx.dx.split(rows)):
+            logits = (xs @ w.t()).float()
+            logits[:, vocab:] = float("-inf")  # padding ids are not tokens
+            lse = logits.logsumexp(1)
+            loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if grad:  # d loss_sum / d logits = softmax - one-hot, in place of the logits
+                p = logits.sub_(lse[:, None]).exp_()
+                p[torch.arange(len(t), device=t.device), t] -= 1
+                dx.copy_(p @ w)
+                ctx.dw += p.t() @ xs  # (under autocast: bf16 products, summed in fp32)
+        return loss / len(x)
+    @staticmethod
+    def backward(ctx, g):  # the chain rule; the mean's 1 / tokens here, in fp32 (in fp16 it would underflow)
+        return ctx.dx * (g / len(ctx.dx)), ctx.dw * (g / len(ctx.dx)), None, None, None
 
 class GPT(nn.Module):
     """GPT-2: pre-LayerNorm decoder, learned positions, tied input and output embeddings."""
@@ -114,11 +133,10 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)
         x = self.ln_f(x if targets is not None else x[:, -1, :])  # no targets: the last position
-        logits = self.lm_head(x).float()
-        logits[..., self.config.vocab_size:] = float("-inf")  # padding ids are not tokens
-        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    def num_params(self, non_embedding=True):  # tied weights once; no positions (nanoGPT's MFU)
-        return sum(p.numel() for p in self.parameters()) - (self.wpe.weight.numel() if non_embedding else 0)
+        if targets is None:  # its logits over the real tokens (the padding ids are not tokens)
+            return self.lm_head(x)[:, :self.config.vocab_size].float()
+        return LMHeadLoss.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.vocab_size,
+                                torch.is_grad_enabled())  # the loss, never holding all the logits at once
 
 def pretrained(init_from):
     """The model.safetensors behind --init-from (the Hub caches it in HF_HOME), its config."""
@@ -185,20 +203,19 @@ def prepare(args, world_size):
         fail(f"--init-from has {cfg.vocab_size} tokens, --tokenizer {args.tokenizer} {enc.n_vocab}")
     cfg = cfg._replace(vocab_size=enc.n_vocab)
     args.max_length = args.max_length or cfg.block_size
-    args.stride = args.stride or args.max_length
     if args.max_length > cfg.block_size:
         fail(f"--max-length {args.max_length} exceeds the model's context ({cfg.block_size})")
     resume = os.path.join(args.checkpoint_dir, "gpt2.pt") if args.resume == "auto" else args.resume
     with open(args.text, encoding="utf-8", errors="replace") as f:
         tokens = torch.tensor(enc.encode_ordinary(f.read()), dtype=torch.long)
     train, val = tokens[:len(tokens) - len(tokens) // 10], tokens[len(tokens) - len(tokens) // 10:]  # last 10%
-    per_rank = math.ceil(len(TokenWindows(train, args.max_length, args.stride)) / world_size)
+    per_rank = math.ceil(len(TokenWindows(train, args.max_length, args.max_length)) / world_size)
     if min(len(train), len(val)) <= args.max_length or per_rank < args.batch_size:
         fail(f"{source}: {len(train)} training and {len(val)} validation tokens are too few for {world_size} "
-             f"ranks x {args.batch_size} windows of {args.max_length}: lower --max-length, --stride or --batch-size")
+             f"ranks x {args.batch_size} windows of {args.max_length}: lower --max-length or --batch-size")
     resume = None if args.resume == "auto" and not os.path.isfile(resume) else resume
     return {"train": train, "val": val, "tokenizer": args.tokenizer, "source": source, "resume": resume,
-            "config": cfg._asdict(), "init": init, "max_length": args.max_length, "stride": args.stride}
+            "config": cfg._asdict(), "init": init, "max_length": args.max_length}
 
 class TokenWindows(Dataset):
     """Window i starts at i * stride; its targets are its inputs shifted left by one token."""
@@ -222,9 +239,7 @@ def batches(loader, sampler, epoch=0, skip=0):
     """Endless (epoch, inputs, targets), from batch `skip` of `epoch` on (a resumed run)."""
     while True:
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats epoch 0's order
-        for i, (x, y) in enumerate(loader):
-            if i >= skip:
-                yield epoch, x, y
+        yield from ((epoch, x, y) for x, y in itertools.islice(loader, skip, None))  # a resumed epoch: from skip
         epoch, skip = epoch + 1, 0
 
 def lr_at(step, args, total_steps):
@@ -249,18 +264,16 @@ def build(args, ddp, data):
     model.to(ddp.device)
     decay = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(decay, lr=args.lr, betas=(0.9, 0.95), fused=cuda)
+    optimizer = torch.optim.AdamW(decay, lr=args.lr, betas=(0.9, 0.95), fused=True)  # one kernel, CPU too
     scaler = torch.amp.GradScaler(ddp.device.type, enabled=amp == "fp16")
     state = {"step": 0, "val_losses": []}
     if data["resume"]:  # every rank, before the DDP wrap; read on the CPU, copied into place
         state = load_checkpoint(data["resume"], "cpu", model=model, optimizer=optimizer, scaler=scaler)
         print0(f"resume: {data['resume']} at step {state['step']}")
-    # DDP: gradients are all-reduced in buckets during backward; gradient_as_bucket_view makes each
-    # .grad a view into its bucket, so gradients are not held twice.
+    # DDP: gradients are all-reduced in buckets during backward; as bucket views, they are not held twice
     ddp_model = DDP(model, device_ids=[ddp.device.index] if cuda else None, gradient_as_bucket_view=True)
     if args.compile:
-        # DDP: compile after the wrap, so Dynamo splits the graph at the bucket boundaries and each
-        # bucket's all-reduce still overlaps the backward. no_sync and .module pass through.
+        # DDP: compile the wrapper: Dynamo splits the graph at the buckets, so all-reduce still overlaps backward
         ddp_model = torch.compile(ddp_model)
     return model, ddp_model, optimizer, scaler, amp, state
 
@@ -296,21 +309,13 @@ def evaluate(model, val_loader, ddp, autocast):
     model.train()
     return (totals[0] / totals[1]).item()
 
-def flops_per_token(cfg, n_params, seq_len):  # as nanoGPT for MFU: 6 per parameter, plus attention
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * seq_len
-
-def peak_tflops(ddp, args, amp):  # for MFU: --peak-tflops, else the bf16 table for a known GPU
-    if args.peak_tflops or ddp.device.type != "cuda" or amp != "bf16":
-        return args.peak_tflops
-    return next((t for gpu, t in PEAK_BF16_TFLOPS.items() if gpu in torch.cuda.get_device_name(ddp.device)), None)
-
 def train(args, ddp, data):
     """Train on this rank; returns the bare model and the results."""
     model, ddp_model, optimizer, scaler, amp, state = build(args, ddp, data)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     autocast = torch.autocast(ddp.device.type, dtype=dtype, enabled=dtype is not None)
     L, cuda = data["max_length"], ddp.device.type == "cuda"
-    train_set = TokenWindows(data["train"], L, data["stride"])
+    train_set = TokenWindows(data["train"], L, L)
     train_loader, sampler, val_loader = build_loaders(train_set, TokenWindows(data["val"], L, L), ddp.rank,
                                                       ddp.world_size, args.batch_size, args.seed, cuda)
     per_epoch = len(train_loader) // args.accum_steps
@@ -318,13 +323,10 @@ def train(args, ddp, data):
     total, step, val_losses = min(schedule, args.max_steps or schedule), state["step"], state["val_losses"]
     stream = batches(train_loader, sampler, *divmod(step * args.accum_steps, len(train_loader)))
     tokens_per_step = args.batch_size * L * args.accum_steps * ddp.world_size
-    fpt, peak = flops_per_token(model.config, model.num_params(), L), peak_tflops(ddp, args, amp)
-    mfu = lambda rate: f"{100 * fpt * rate / ddp.world_size / peak / 1e12:.1f}%" if peak else "n/a"
     print0(f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} | model "
-           f"{model.num_params(False) / 1e6:.1f}M params | world {ddp.world_size} | backend {ddp.backend} | "
-           f"device {ddp.device.type} | amp {amp} | compile {args.compile} | batch {args.batch_size}x{L} "
-           f"tokens/rank x {args.accum_steps} accum = {tokens_per_step} tokens/step | windows "
-           f"{len(train_set)} train | steps {total}")
+           f"{sum(map(torch.numel, model.parameters())) / 1e6:.1f}M params | world {ddp.world_size} | backend "
+           f"{ddp.backend} | device {ddp.device.type} | amp {amp} | compile {args.compile} | batch {args.batch_size}x"
+           f"{L} tokens/rank x {args.accum_steps} accum = {tokens_per_step} tokens/step | steps {total}")
     if step == 0:
         val_losses.append([0, evaluate(model, val_loader, ddp, autocast)])
         print0(f"step 0/{total} | val_loss {val_losses[-1][1]:.4f}")
@@ -345,7 +347,7 @@ def train(args, ddp, data):
             rate = n * tokens_per_step / (now - t_log)
             mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0
             print0(f"epoch {epoch + 1} | step {step}/{total} | loss {loss_sum.item() / n / ddp.world_size:.4f} "
-                   f"| lr {lr:.2e} | {rate:.0f} tokens/s | mfu {mfu(rate)}{f' | mem {mem:.1f}GiB' if mem else ''}"
+                   f"| lr {lr:.2e} | {rate:.0f} tokens/s{f' | mem {mem:.1f}GiB' if mem else ''}"
                    f" | eta {(total - step) * (now - t_start) / (step - start):.0f}s")
             t_log, logged, loss_sum = now, step, torch.zeros((), device=ddp.device)
         if step % (args.save_every or per_epoch) == 0 or step == total:
@@ -357,7 +359,7 @@ def train(args, ddp, data):
                              "scaler": scaler.state_dict(), "val_losses": val_losses, "config": data["config"],
                              "tokenizer": data["tokenizer"]}, os.path.join(args.checkpoint_dir, "gpt2.pt"))
             t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
-    return model, {"steps": step, "tokens_per_s": rate, "mfu": mfu(rate), "val_losses": val_losses,
+    return model, {"steps": step, "tokens_per_s": rate, "val_losses": val_losses,
                    "time": time.perf_counter() - t_start}
 
 def worker(rank, world_size, args, data):
@@ -377,7 +379,7 @@ def worker(rank, world_size, args, data):
         export_hf(model, args.export_hf)
     print(f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} | backend "
           f"{ddp.backend} | device {ddp.device.type} | steps {res['steps']} | val_loss {res['val_losses'][-1][1]:.4f}"
-          f" | {res['tokens_per_s']:.0f} tokens/s | mfu {res['mfu']} | time {res['time']:.1f}s", flush=True)
+          f" | {res['tokens_per_s']:.0f} tokens/s | time {res['time']:.1f}s", flush=True)
 
 def spawn_workers(args):
     """mp.spawn launch: prepare once here, pick the rendezvous port, start one worker per rank."""
@@ -391,9 +393,7 @@ def spawn_workers(args):
     except mp.ProcessRaisedException as e:  # a Python exception: its last line, not 40 lines
         fail(f"rank {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}", code=1)
     except mp.ProcessExitedException as e:  # exit 1 or 2: it left through fail(), line printed
-        if e.exit_code in (1, 2):
-            sys.exit(e.exit_code)
-        fail(f"rank {e.error_index} died ({e.signal_name})", 1)
+        sys.exit(e.exit_code) if e.exit_code in (1, 2) else fail(f"rank {e.error_index} died ({e.signal_name})", 1)
 
 if __name__ == "__main__":
     args = parse_args()

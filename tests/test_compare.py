@@ -1,0 +1,104 @@
+"""Speed work must not change the maths: lesson 5's chunked loss is F.cross_entropy, value and gradients;
+bench/compare.py measures what it says (parsers, MFU count, errors) and, where Lightning and a nanoGPT
+checkout are present, runs end to end."""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, assert_clean_failure, assert_ok, run_python
+
+sys.path.insert(0, str(ROOT / "bench"))
+import compare  # noqa: E402
+import gpt2_ddp  # noqa: E402
+
+
+def reference_loss(x, w, targets, vocab):
+    """What LMHeadLoss replaces: all the logits at once, padding ids masked, F.cross_entropy."""
+    logits = (x @ w.t()).float()
+    logits[:, vocab:] = float("-inf")
+    return F.cross_entropy(logits, targets)
+
+
+@pytest.mark.parametrize("rows,chunk", [(300, 2**22), (64, 2**22), (7, 64 * 5)])  # 4 chunks; 1; 5 rows + 2
+def test_chunked_loss_is_cross_entropy_with_the_same_gradients(rows, chunk, monkeypatch):
+    monkeypatch.setitem(gpt2_ddp.LOSS_CHUNK, "cpu", chunk)
+    vocab, padded = 50257, 50304
+    if chunk < 2**22:  # a small vocabulary: 320 logits per chunk = 5 rows
+        vocab, padded = 60, 64
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 32, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = (0.3 * torch.randn(padded, 32, generator=g)).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    ref = reference_loss(x, w, t, vocab)
+    ours = gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, True)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(3 * ours, [x, w]), torch.autograd.grad(3 * ref, [x, w])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)  # the incoming gradient (3) is applied
+    with torch.no_grad():  # evaluation: the loss only
+        torch.testing.assert_close(gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, False), ref.detach())
+
+
+def test_model_loss_and_every_gradient_match_full_logits():
+    """Through the whole GPT: the loss and the gradient of every parameter (the tied embedding gets
+    both its uses) as with the full (batch, time, vocab) logits."""
+    cfg = gpt2_ddp.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100)
+    torch.manual_seed(0)
+    model = gpt2_ddp.GPT(cfg)
+    idx, targets = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
+    x = model.wte(idx) + model.wpe(torch.arange(16))
+    for block in model.h:
+        x = block(x)
+    ref = reference_loss(model.ln_f(x).flatten(0, 1), model.lm_head.weight, targets.flatten(), 100)
+    params = list(model.parameters())
+    ref_grads = torch.autograd.grad(ref, params)
+    loss = model(idx, targets)
+    torch.testing.assert_close(loss, ref)
+    for p, a, b in zip(params, torch.autograd.grad(loss, params), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_last_position_logits_cover_the_real_tokens_only():
+    cfg = gpt2_ddp.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)  # padded to 128
+    model = gpt2_ddp.GPT(cfg)
+    with torch.no_grad():
+        model.wte.weight[100:] = 100.0  # padding rows would win if they were logits
+        logits = model(torch.randint(0, 100, (2, 8)))
+    assert logits.shape == (2, 100)
+
+
+def test_flops_per_token_is_nanogpts_count():
+    n = 12 * (12 * 768 ** 2 + 13 * 768) + 50304 * 768 + 2 * 768  # blocks, tied wte (padded), ln_f; no wpe
+    assert compare.flops_per_token("124m") == 6 * n + 12 * 12 * 768 * 1024
+
+
+def test_interval_rate_is_the_harmonic_mean_after_warmup():
+    out = "\n".join(["step 0/20 | val_loss 9.0",
+                     "epoch 1 | step 5/20 | loss 9 | lr 1e-4 | 100 tokens/s | eta 3s",      # warm-up: left out
+                     "epoch 1 | step 10/20 | loss 8 | lr 1e-4 | 1000 tokens/s | eta 2s",
+                     "epoch 1 | step 15/20 | loss 7 | lr 1e-4 | 3000 tokens/s | eta 1s",
+                     "epoch 1 | step 15/20 | val_loss 7.5"])
+    assert compare.interval_rate(out, "tokens/s", warmup=5) == pytest.approx(1500)  # 2 / (1/1000 + 1/3000)
+
+
+def test_bad_nanogpt_dir_is_one_error_line(tmp_path):
+    errs = assert_clean_failure(run_python("bench/compare.py", "--only", "gpt", "--nanogpt", tmp_path), code=2)
+    assert "no train.py" in errs[0]
+
+
+NANOGPT = os.environ.get("NANOGPT_DIR", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (importlib.util.find_spec("lightning") and os.path.isfile(os.path.join(NANOGPT, "train.py"))),
+                    reason="needs lightning installed and NANOGPT_DIR set to a nanoGPT checkout (no network in CI)")
+def test_compare_runs_end_to_end(tmp_path):
+    result = run_python("bench/compare.py", "--pairs", "1", "--procs", "2", "--gpt-steps", "12", "--cifar-steps",
+                        "12", "--warmup", "6", "--nanogpt", NANOGPT, "--work", tmp_path, timeout=900)
+    assert_ok(result)
+    rows = [l for l in result.stdout.splitlines() if l.startswith(("GPT-2 tiny, 2 proc", "ResNet-18 CIFAR, 2 x 32"))]
+    assert len(rows) == 2 and all(float(r.split()[-4].rstrip("x")) > 0 for r in rows), result.stdout
+    assert "DDP at world size 1" in result.stdout
