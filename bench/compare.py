@@ -48,13 +48,14 @@ def parse_args():
     a("--gpt-steps", type=int, default=40, help="optimizer steps per GPT run (default 40)")
     a("--cifar-procs", type=int, default=2, help="world size for the CIFAR comparison (default 2)")
     a("--cifar-steps", type=int, default=40, help="optimizer steps per CIFAR run (default 40)")
+    a("--ddp1-steps", type=int, default=30, help="timed steps per model for the world-size-1 check (default 30)")
     a("--warmup", type=int, default=10, help="first steps of every run left out of its rate (default 10)")
     a("--only", choices=["gpt", "cifar", "ddp1"], help="run one comparison")
     a("--nanogpt", metavar="DIR", help="a nanoGPT checkout to use (default: git clone into --work)")
     a("--work", default=os.path.join(ROOT, "bench", ".work"), help="scratch: clone, data, checkpoints")
     args = p.parse_args()
-    if min(args.pairs, args.gpt_steps - args.warmup, args.cifar_steps - args.warmup, *args.procs) < 1:
-        fail("--pairs and --procs must be >= 1 and the --*-steps more than --warmup")
+    if min(args.pairs, args.ddp1_steps, args.gpt_steps - args.warmup, args.cifar_steps - args.warmup, *args.procs) < 1:
+        fail("--pairs, --procs and --ddp1-steps must be >= 1, and --gpt/cifar-steps more than --warmup")
     return args
 
 
@@ -188,7 +189,7 @@ def cifar_pair(args, cuda):
             lambda: lightning_rate(run(theirs)))
 
 
-def ddp1(args, steps=30):
+def ddp1(args):
     """Lesson 2's ResNet-18 step (batch 32), bare and in DDP at world size 1, alternating; p50 ms each."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -213,7 +214,7 @@ def ddp1(args, steps=30):
             opt.step()
         steps_of[model] = step
     times = {bare: [], wrapped: []}
-    for i in range(args.warmup + steps):
+    for i in range(args.warmup + args.ddp1_steps):
         for model in (bare, wrapped) if i % 2 else (wrapped, bare):
             if device.type == "cuda":
                 torch.cuda.synchronize()
