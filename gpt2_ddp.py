@@ -94,7 +94,7 @@ class LMHeadLoss(torch.autograd.Function):
     memory instead of faulting in fresh pages; GPU 1 GiB, big full-speed matmuls."""
     @staticmethod
     def forward(ctx, x, w, targets, vocab, grad):
-        rows, loss = max(1, LOSS_CHUNK[x.device.type] // len(w)), 0.0
+        rows, loss = max(1, LOSS_CHUNK.get(x.device.type, LOSS_CHUNK["cuda"]) // len(w)), 0.0
         ctx.dx, ctx.dw = torch.empty_like(x), torch.zeros_like(w)
         for xs, t, dx in zip(x.split(rows), targets.split(rows), ctx.dx.split(rows)):
             logits = (xs @ w.t()).float()

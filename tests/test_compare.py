@@ -42,6 +42,24 @@ def test_chunked_loss_is_cross_entropy_with_the_same_gradients(rows, chunk, monk
         torch.testing.assert_close(gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, False), ref.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunked_loss_under_autocast_matches_autograd(dtype, monkeypatch):
+    """Under autocast the products are low precision as autograd's; the 1 / tokens comes after them, in
+    fp32 (the loss is scaled as a GradScaler would: unscaled fp16 gradients of a mean underflow)."""
+    monkeypatch.setitem(gpt2_ddp.LOSS_CHUNK, "cpu", 2**20)  # 21 rows of the padded GPT-2 vocabulary
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 64, generator=g).requires_grad_()
+    w = (0.02 * torch.randn(50304, 64, generator=g)).requires_grad_()
+    t = torch.randint(0, 50257, (256,), generator=g)
+    with torch.autocast("cpu", dtype=dtype):
+        ref, ours = reference_loss(x, w, t, 50257), gpt2_ddp.LMHeadLoss.apply(x, w, t, 50257, True)
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
+    scale, others = 2.0 ** 16, torch.ones(50304, dtype=torch.bool).index_fill_(0, t, False)
+    (dx, dw), (rx, rw) = (torch.autograd.grad(loss * scale, [x, w]) for loss in (ours, ref))
+    for a, b in ((dx, rx), (dw, rw), (dw[others], rw[others])):  # others: the softmax part alone, small
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
 def test_model_loss_and_every_gradient_match_full_logits():
     """Through the whole GPT: the loss and the gradient of every parameter (the tied embedding gets
     both its uses) as with the full (batch, time, vocab) logits."""
