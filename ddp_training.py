@@ -156,7 +156,7 @@ def pick_amp(choice, device):
 
 def train_step(ddp_model, forward, optimizer, scaler, micro_batches, amp_dtype, clip_grad):
     """One step over (x, y) micro-batches (forward: ddp_model, or compiled); (loss sum, correct)."""
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=False)  # DDP: in place; None would drop the bucket views (a copy per step)
     n, device = len(micro_batches), micro_batches[0][0].device
     stats = torch.zeros(2, device=device)
     for i, (x, y) in enumerate(micro_batches):
@@ -284,11 +284,11 @@ def build(args, ddp):
         return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
     job.scheduler = torch.optim.lr_scheduler.LambdaLR(job.optimizer, factor)
     job.scaler = torch.amp.GradScaler(ddp.device.type, enabled=job.amp == "fp16")
-    # Progress: `epoch` is the epoch in progress, `epoch_step` its optimizer steps done.
     job.state = {"epoch": 0, "epoch_step": 0, "step": 0, "best_acc": -1.0, "bad_epochs": 0, "best": []}
     resume(job)
-    # DDP: broadcasts rank 0's weights now; in backward, averages the gradients in buckets, overlapped.
-    job.ddp_model = DDP(job.model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None)
+    # DDP: broadcasts rank 0's weights; in backward, averages gradients in buckets, overlapped (.grads: bucket views)
+    job.ddp_model = DDP(job.model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
     # DDP first, then compile: the compiler sees DDP's buckets and overlaps their all-reduce with backward.
     job.forward = torch.compile(job.ddp_model) if args.compile else job.ddp_model
     return job

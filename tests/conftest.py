@@ -180,10 +180,19 @@ def _run_then_exit(rank, fn, *args):
 
 def spawn(fn, nprocs, *args, port=None):
     """mp.spawn fn(rank, world_size, port, *args) in fresh processes on gloo (fn must live in an
-    importable module). Sets a free MASTER_PORT; the processes die with the test on failure."""
+    importable module). Sets a free MASTER_PORT; the processes die with the test on failure.
+    The processes fork from a forkserver that imported torch once for the session (what
+    start_method="spawn" would re-import in every process: ~2-3 s of CPU each, the largest part
+    of a short spawned test). The forkserver is a clean process that has run no torch op, so each
+    process starts as a fresh one would; it takes the environment of the first spawn, which is
+    why the workers set theirs (init_spawned, torchrun_env) themselves."""
+    import multiprocessing
     import torch.multiprocessing as mp
+    # torch._dynamo: DDP's constructor imports it (another second per process otherwise)
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     port = port or free_port()
-    mp.spawn(_run_then_exit, args=(fn, nprocs, port, *args), nprocs=nprocs, join=True)
+    mp.start_processes(_run_then_exit, args=(fn, nprocs, port, *args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
 
 
 def init_spawned(rank, world_size, port):

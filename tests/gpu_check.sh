@@ -50,6 +50,23 @@ check l5_fp16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --t
     --clip-grad 1 --checkpoint-dir "$C/l5fp16"
 check l5_compile "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --compile \
     --checkpoint-dir "$C/l5compile"
+check l5_chunked_loss "$PY" -c "
+import torch, torch.nn.functional as F, gpt2_ddp
+torch.manual_seed(0)
+d = 'cuda' if torch.cuda.is_available() else 'cpu'  # (GPU_CHECK_FORCE: on the CPU)
+for dt in (torch.bfloat16, torch.float16):
+    x = torch.randn(8192, 768, device=d, requires_grad=True)
+    w = (0.02 * torch.randn(50304, 768, device=d)).requires_grad_()
+    t = torch.randint(0, 50257, (8192,), device=d)
+    with torch.autocast(d, dtype=dt):
+        logits = (x @ w.t()).float()
+        logits[:, 50257:] = float('-inf')
+        ref, ours = F.cross_entropy(logits, t), gpt2_ddp.LMHeadLoss.apply(x, w, t, 50257, True)
+    s = 2.0 ** 16  # as a GradScaler would: unscaled fp16 gradients of a mean over 8192 tokens underflow
+    err = [((a - b).norm() / b.norm()).item() for a, b in zip(torch.autograd.grad(ours * s, [x, w]), torch.autograd.grad(ref * s, [x, w]))]
+    assert abs(ours.item() - ref.item()) < 1e-2 and max(err) < 3e-2, (dt, ours.item(), ref.item(), err)
+    print(dt, 'loss', ours.item(), ref.item(), 'relative gradient error', err)
+print('done: l5 chunked loss = F.cross_entropy on ' + d + ' under bf16 and fp16 autocast')"
 check l6_benchmark "$PY" ddp_benchmark.py --quick --max-procs "$N"
 check l7_zero_fused_save "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sync-bn --comm-hook powersgd \
     --powersgd-warmup 10 --epochs 1 --max-steps 40 --checkpoint-dir "$C/l7"

@@ -126,7 +126,6 @@ wait_idle() {
 }
 
 stop_daemons() {
-    local f pid
     # Jobs first: their processes hang off slurmstepd, not the daemons, and would outlive them.
     if pid_alive "$DIR/run/slurmctld.pid" && [[ -f $CONF ]]; then
         SLURM_CONF=$CONF scancel --full --quiet --state=PENDING 2>/dev/null || true
@@ -136,14 +135,23 @@ stop_daemons() {
             sleep 0.5
         done
     fi
-    for f in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$MUNGE_PID"; do
-        pid_alive "$f" || continue
-        pid=$(cat "$f")
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
-        rm -f "$f"
+    # The Slurm daemons take seconds each to exit: stop them together, then munge under them.
+    stop_pids "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"
+    stop_pids "$MUNGE_PID"
+}
+
+stop_pids() {  # SIGTERM the processes of these pid files at once; SIGKILL any alive after 5 s
+    local f pid pids=() alive
+    for f in "$@"; do pid_alive "$f" && pids+=("$(cat "$f")"); done
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for _ in $(seq 1 50); do
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [[ $alive == 0 ]] && break
+        sleep 0.1
     done
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null; done
+    rm -f "$@"
 }
 
 start() {

@@ -82,7 +82,7 @@ def test_port_in_use_names_the_port():
 
 def test_missing_rank_times_out_with_one_line_instead_of_hanging():
     env = cpu_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=free_port(), DDP_TIMEOUT=4)
+                  MASTER_PORT=free_port(), DDP_TIMEOUT=2)
     assert_one_error(run_python(PROBE, timeout=60, env=env), 1, "rank 0", "2 ranks")
 
 

@@ -49,9 +49,9 @@ SCENARIOS = {  # name -> (world size, flags)
     # Early stopping: an LR too small to change any prediction -> no improvement after epoch 1.
     "early": (2, ["--epochs", "8", "--batch-size", "8", "--lr", "1e-9", "--patience", "2"]),
     # Mixed precision on CPU; bf16 also takes the --data auto fallback (no CIFAR-10 offline).
-    "bf16": (2, ["--subset", "400", "--epochs", "3", "--lr", "0.05", "--batch-size", "8", "--amp", "bf16",
+    "bf16": (2, ["--subset", "400", "--epochs", "2", "--lr", "0.05", "--batch-size", "8", "--amp", "bf16",
                  "--clip-grad", "1", "--verify-sync", "1", "--data", "auto"]),
-    "fp16": (2, ["--subset", "400", "--epochs", "3", "--lr", "0.05", "--batch-size", "8", "--amp", "fp16",
+    "fp16": (2, ["--subset", "400", "--epochs", "2", "--lr", "0.05", "--batch-size", "8", "--amp", "fp16",
                  "--clip-grad", "1"]),
     # BatchNorm (buffers differ per rank) with a clock that jumps 1000 s in every evaluation.
     "bn": (2, ["--model", "cnn-bn", "--epochs", "2", "--batch-size", "8", "--lr", "0.01", "--log-every", "2"]),
