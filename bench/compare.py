@@ -86,7 +86,7 @@ def run(cmd, cwd=ROOT, env=None, timeout=1800):
 def flops_per_token(preset):
     """nanoGPT's count, for MFU: 6 per non-embedding parameter (the tied wte counts, wpe does not), plus attention."""
     from gpt2_ddp import GPT, GPTConfig
-    cfg = GPTConfig(**{k: v for k, v in GPT_PRESETS[preset].items()}, vocab_size=50257)
+    cfg = GPTConfig(**GPT_PRESETS[preset], vocab_size=50257)
     n = sum(p.numel() for p in GPT(cfg).parameters()) - cfg.block_size * cfg.n_embd
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
