@@ -1,12 +1,14 @@
 """Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
 and the whole process tree killed when a run fails or hangs."""
 import os
+import random
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -234,7 +236,20 @@ def assert_clean_failure(result, code=None):
 
 # ---- a real two-node Slurm on this machine (lesson 4; used by test_slurm.py and test_readme.py) ----
 CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
-STATE_DIR = "/tmp/ddp-course-slurm"
+
+
+def free_port_run(n):
+    """The first of n consecutive free TCP ports (slurmctld, then one per slurmd)."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            socks = [socket.create_server(("127.0.0.1", first + i)) for i in range(1, n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def cannot_start_reason():
@@ -256,7 +271,10 @@ def slurm():
         if in_ci:
             pytest.fail(f"CI must run the Slurm tests, but {reason}")
         pytest.skip(f"no test Slurm: {reason}")
-    env = dict(os.environ, SLURM_TEST_DIR=STATE_DIR)
+    # Its own state dir and ports: two test sessions at once get two clusters, not one torn down under the other.
+    state_dir = tempfile.mkdtemp(prefix="ddp-course-slurm-", dir="/tmp")
+    env = dict(os.environ, SLURM_TEST_DIR=state_dir, SLURM_TEST_PORT=str(free_port_run(3)),
+               SLURM_TEST_FIRST_JOB_ID=str(1000 * random.randrange(1, 20)))  # job ids -> rendezvous ports
     start = subprocess.run(["bash", CLUSTER, "start"], env=env, capture_output=True, text=True,
                            timeout=900)
     if start.returncode != 0:
@@ -265,7 +283,8 @@ def slurm():
     try:
         # The jobs inherit this environment (sbatch --export=ALL): without a .venv in the repo
         # the sbatch scripts run the python/torchrun found first on PATH, i.e. this one.
-        yield {"SLURM_CONF": f"{STATE_DIR}/slurm.conf",
+        yield {"SLURM_CONF": f"{state_dir}/slurm.conf",
                "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
     finally:
         subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(state_dir, ignore_errors=True)

@@ -10,13 +10,16 @@
 # Then, in the same shell:  export SLURM_CONF=/tmp/ddp-course-slurm/slurm.conf
 #                           sbatch --wait slurm/train.sbatch multinode.py --epochs 2
 # Everything (config, state, logs, pid files, fake GPU devices) lives in $SLURM_TEST_DIR
-# (default /tmp/ddp-course-slurm), wiped at each start. Outside it, start touches only
+# (default /tmp/ddp-course-slurm), wiped at each start; slurmctld listens on $SLURM_TEST_PORT
+# (default 16817) and the slurmd on the next two ports. The tests give each session its own dir
+# and ports, so two test sessions can run at once. Outside it, start touches only
 # /etc/hosts (adds node1/node2 -> 127.0.0.1 if they do not resolve) and /run/munge.
 # The "GPUs" are character devices with /dev/null's numbers: Slurm counts and hands them out
 # (so `#SBATCH --gpus-per-node=2` works unchanged), but there is no CUDA behind them.
 set -euo pipefail
 
 DIR=${SLURM_TEST_DIR:-/tmp/ddp-course-slurm}
+PORT=${SLURM_TEST_PORT:-16817}   # slurmctld's port; the two slurmd listen on PORT+1 and PORT+2
 CONF=$DIR/slurm.conf
 NODES=(node1 node2)
 CPUS=${SLURM_TEST_CPUS:-2}   # CPUs per node as Slurm sees them (tasks per node, at most)
@@ -80,10 +83,13 @@ ReturnToService=2
 MpiDefault=none
 # Finished jobs leave the controller after 5 s: sbatch --wait then returns within seconds.
 MinJobAge=5
+# The sbatch scripts derive their rendezvous port from the job id: two test clusters at once
+# must not hand out the same ids.
+FirstJobId=${SLURM_TEST_FIRST_JOB_ID:-1}
 # Seconds between SIGTERM and SIGKILL when a step is killed (e.g. --kill-on-bad-exit).
 KillWait=5
-SlurmctldPort=16817
-SlurmdPort=17001
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
@@ -91,7 +97,7 @@ SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 GresTypes=gpu
-NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001-17002 CPUs=$CPUS Gres=gpu:2 State=UNKNOWN
+NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=$CPUS Gres=gpu:2 State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -137,6 +143,10 @@ stop_daemons() {
     fi
     # The Slurm daemons take seconds each to exit: stop them together, then munge under them.
     stop_pids "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"
+    local f
+    for f in /tmp/ddp-course-slurm*/run/slurmctld.pid; do
+        pid_alive "$f" && return 0  # another test session's cluster (its own dir and ports) still needs munge
+    done
     stop_pids "$MUNGE_PID"
 }
 

@@ -3,6 +3,7 @@ with c10d and with static rendezvous; per-node snapshots and resume; a worker ki
 and the job restarted across both; launch_ddp.sh."""
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -33,23 +34,6 @@ def check_two_node_report(report, launcher="torchrun"):
 def snapshot_sha(path):
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     return ckpt["epoch"], params_sha256(ckpt["model"])
-
-
-@pytest.mark.slow
-def test_two_nodes_c10d_rendezvous(tmp_path):
-    """The same command on both 'nodes'; node ranks are handed out by the rendezvous."""
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=t1"]
-    report = tmp_path / "report.json"
-    results = run_nodes([torchrun_node(rdzv, "--epochs", "2", "--checkpoint-dir", tmp_path,
-                                       "--report", report)] * 2, tmp_path)
-    for r in results:
-        assert_ok(r)
-    done = [l for r in results for l in r.stdout.splitlines() if l.startswith("done:")]
-    assert len(done) == 1  # only global rank 0 prints
-    rep = json.loads(report.read_text())
-    check_two_node_report(rep)
-    # rank 0 alone wrote the snapshot (shared dir), and it holds the replicas' final weights
-    assert snapshot_sha(tmp_path / "multinode.pt") == (2, rep["params_sha256"][0])
 
 
 def launch_env():
@@ -99,32 +83,44 @@ def test_two_nodes_restart_after_a_worker_is_killed(tmp_path, single_node):
 
 
 @pytest.mark.slow
-def test_two_nodes_static_snapshot_per_node_and_resume(tmp_path):
-    """Static rendezvous (--node-rank, --master-addr) and node-local snapshot dirs A and B."""
-    port, report = free_port(), tmp_path / "report.json"
-    dirs = [tmp_path / "node0", tmp_path / "node1"]
+def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
+    """Epoch 1 under c10d rendezvous (the same command on both 'nodes', node ranks handed out by
+    the rendezvous) into one shared dir; then each node's disk gets a copy and epoch 2 runs under
+    static rendezvous (--node-rank, --master-addr) with node-local snapshot dirs A and B."""
+    report, shared = tmp_path / "report.json", tmp_path / "shared"
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=t1"]
+    results = run_nodes([torchrun_node(rdzv, "--epochs", "1", "--checkpoint-dir", shared,
+                                       "--report", report)] * 2, tmp_path)
+    for r in results:
+        assert_ok(r)
+    done = [l for r in results for l in r.stdout.splitlines() if l.startswith("done:")]
+    assert len(done) == 1  # only global rank 0 prints
+    rep = json.loads(report.read_text())
+    check_two_node_report(rep)
+    assert rep["start_epoch"] == 0
+    # rank 0 alone wrote the snapshot (shared dir), and it holds the replicas' final weights
+    assert snapshot_sha(shared / "multinode.pt") == (1, rep["params_sha256"][0])
+    assert os.listdir(shared) == ["multinode.pt"]
 
-    def launch(epochs, per_node=True, nproc=2):
+    port, dirs = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+    for d in dirs:  # each node's own disk holds a copy of epoch 1
+        d.mkdir()
+        shutil.copy(shared / "multinode.pt", d / "multinode.pt")
+
+    def launch(epochs, nproc=2):
         return run_nodes([torchrun_node([f"--node-rank={n}", "--master-addr=127.0.0.1",
                                          f"--master-port={port}"],
                                         "--epochs", epochs, "--checkpoint-dir", dirs[n],
                                         "--resume", "auto", "--report", report,
-                                        *(["--snapshot-per-node"] if per_node else []), nproc=nproc)
+                                        "--snapshot-per-node", nproc=nproc)
                           for n in (0, 1)], tmp_path)
-
-    for r in launch(1):
-        assert_ok(r)
-    rep = json.loads(report.read_text())
-    check_two_node_report(rep)
-    assert rep["start_epoch"] == 0
-    # local rank 0 of EACH node saved into its own directory
-    assert [snapshot_sha(d / "multinode.pt") for d in dirs] == [(1, rep["params_sha256"][0])] * 2
 
     for r in launch(2):  # both nodes resume from their own copy
         assert_ok(r)
     rep = json.loads(report.read_text())
     check_two_node_report(rep)
     assert (rep["start_epoch"], rep["epoch"]) == (1, 2)
+    # local rank 0 of EACH node saved into its own directory
     assert [snapshot_sha(d / "multinode.pt") for d in dirs] == [(2, rep["params_sha256"][0])] * 2
 
     # Node 1's disk lost its snapshot (or the dir was never shared): resuming must stop, not let

@@ -24,13 +24,30 @@ SCRIPTS = {"train.sbatch": "torchrun", "train_srun.sbatch": "slurm"}
 
 
 def sbatch(slurm, tmp_path, script, *args, ddp_timeout=60, timeout=300):
-    """sbatch --wait from the repo root (so the job finds the .venv); returns (result, job output)."""
+    """sbatch from the repo root (so the job finds the .venv), then wait for the job; returns
+    (result, job output). Like `sbatch --wait` (its exit code is the job's), but polling every
+    0.2 s: sbatch --wait polls every 2 s, seconds per job (the README's command uses it)."""
     out = tmp_path / "job.out"
     env = cpu_env(DDP_TIMEOUT=ddp_timeout, **slurm)
-    # --time: should a job hang anyway, Slurm itself ends it (a killed sbatch --wait would not).
-    r = run(["sbatch", "--wait", "--time=5", "--output", out, ROOT / "slurm" / script, "multinode.py", *args],
-            timeout=timeout, env=env)
-    return r, out.read_text() if out.exists() else ""
+    # --time: should a job hang anyway, Slurm itself ends it (a killed test would not).
+    r = run(["sbatch", "--time=5", "--output", out, ROOT / "slurm" / script, "multinode.py", *args],
+            timeout=60, env=env)
+    assert_ok(r)
+    job = re.search(r"Submitted batch job (\d+)", r.stdout)[1]
+    deadline, fields = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        show = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
+                              text=True, timeout=30).stdout
+        fields = dict(f.split("=", 1) for f in show.split() if "=" in f)
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            break  # (MinJobAge=5 keeps a finished job visible to scontrol for 5 s)
+        time.sleep(0.2)
+    else:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        pytest.fail(f"job {job} still {fields.get('JobState')} after {timeout}s")
+    code = int(fields["ExitCode"].split(":")[0]) or int(fields["JobState"] != "COMPLETED")
+    result = subprocess.CompletedProcess(r.args, code, r.stdout, r.stderr)
+    return result, out.read_text() if out.exists() else ""
 
 
 def table_rows(output):

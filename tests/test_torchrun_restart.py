@@ -162,31 +162,16 @@ def snapshot_step(path):
 
 
 @pytest.mark.slow
-def test_external_kill_9_restarts_and_matches_uninterrupted(tmp_path, baseline):
+def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_path, baseline):
+    """One job, two deaths. 1) Freeze rank 0 (the writer) while its temp file exists, i.e.
+    mid-write, check the snapshot on disk is still the previous, loadable one, then SIGKILL the
+    writer: the restarted job resumes from that snapshot. 2) Once the restarted job has saved a
+    snapshot of its own, SIGKILL rank 1 from outside: it resumes again, from that snapshot, not
+    from scratch. It must end like an uninterrupted run."""
     path = tmp_path / "snapshot.pt"
-    # --step-delay only slows the loop (0.1 s a step, ~2.5 s in all) so the kill lands mid-run.
+    # --step-delay only slows the loop (0.1 s a step, ~2.5 s in all) so the kills land mid-run.
     proc = start_torchrun(*RUN, "--checkpoint-dir", tmp_path, "--step-delay", "0.1",
-                          extra=RESTARTS)
-    seen = wait_for(lambda: (snapshot_step(path) or 0) >= 6 and snapshot_step(path), proc)
-    victim = wait_for(lambda: worker_pid(proc.pid, rank=1), proc)
-    os.kill(victim, signal.SIGKILL)
-    r = finish(proc)
-    assert_ok(r)
-    assert done_lines(r)
-    snap = load(path)
-    starts = snap["history"]["starts"]
-    assert len(starts) == 2 and starts[0] == [0, 0], starts
-    assert starts[1][0] == 1 and seen <= starts[1][1] < 24, (seen, starts)  # resumed, not redone
-    assert_same_state(snap, baseline)
-
-
-@pytest.mark.slow
-def test_kill_while_writing_snapshot_leaves_the_previous_one(tmp_path, baseline):
-    """Freeze rank 0 (the writer) while its temp file exists, i.e. mid-write, check the snapshot
-    on disk is still the previous, loadable one, then SIGKILL the writer. The restarted job must
-    resume from that snapshot and end like an uninterrupted run."""
-    path = tmp_path / "snapshot.pt"
-    proc = start_torchrun(*RUN, "--checkpoint-dir", tmp_path, extra=RESTARTS)
+                          extra=["--max-restarts=3"])
     caught = None
     deadline = time.monotonic() + TIMEOUT
     while caught is None and time.monotonic() < deadline and proc.poll() is None:
@@ -203,10 +188,23 @@ def test_kill_while_writing_snapshot_leaves_the_previous_one(tmp_path, baseline)
     assert caught, "never caught a snapshot write in progress"
     writer, step_on_disk, temp = caught
     os.kill(writer, signal.SIGKILL)
+
+    def saved_by_attempt_1():
+        try:
+            snap = load(path)
+        except Exception:  # being replaced
+            return None
+        return len(snap["history"]["starts"]) == 2 and snap["step"] > step_on_disk and snap["step"]
+    seen = wait_for(saved_by_attempt_1, proc)
+    victim = wait_for(lambda: worker_pid(proc.pid, rank=1, restart=1), proc)
+    os.kill(victim, signal.SIGKILL)
     r = finish(proc)
     assert_ok(r)
+    assert done_lines(r)
     snap = load(path)
-    assert snap["history"]["starts"] == [[0, 0], [1, step_on_disk]]
+    starts = snap["history"]["starts"]
+    assert starts[:2] == [[0, 0], [1, step_on_disk]], starts
+    assert len(starts) == 3 and starts[2][0] == 2 and seen <= starts[2][1] < 24, (seen, starts)
     assert not glob.glob(str(path) + ".tmp*")  # the restarted rank 0 removed the torn temp file
     assert_same_state(snap, baseline)
 
