@@ -1,7 +1,6 @@
 """Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
 and the whole process tree killed when a run fails or hangs."""
 import os
-import random
 import re
 import shutil
 import signal
@@ -273,8 +272,11 @@ def slurm():
         pytest.skip(f"no test Slurm: {reason}")
     # Its own state dir and ports: two test sessions at once get two clusters, not one torn down under the other.
     state_dir = tempfile.mkdtemp(prefix="ddp-course-slurm-", dir="/tmp")
-    env = dict(os.environ, SLURM_TEST_DIR=state_dir, SLURM_TEST_PORT=str(free_port_run(3)),
-               SLURM_TEST_FIRST_JOB_ID=str(1000 * random.randrange(1, 20)))  # job ids -> rendezvous ports
+    port = free_port_run(3)
+    # The sbatch scripts' rendezvous port is 20000 + job id % 20000: ids from port + 10000 keep it off
+    # this cluster's ports and apart from another session's (its ports differ).
+    env = dict(os.environ, SLURM_TEST_DIR=state_dir, SLURM_TEST_PORT=str(port),
+               SLURM_TEST_FIRST_JOB_ID=str(port + 10000))
     start = subprocess.run(["bash", CLUSTER, "start"], env=env, capture_output=True, text=True,
                            timeout=900)
     if start.returncode != 0:

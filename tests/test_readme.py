@@ -38,6 +38,8 @@
 
 Also: the README's test command is what .ci/run runs; the worked example of gradient averaging
 is computed for real; every relative link resolves; the README stays a spine (<= 700 lines)."""
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -178,7 +180,12 @@ def run_block(block, request, tmp_path_factory):
                   https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9",
                   HF_HUB_OFFLINE="1")
     env.update(slurm_env)
-    return run(["bash", "-euo", "pipefail", "-c", script], timeout=300, env=env, cwd=cwd)
+    fixed = sorted(set(re.findall(r"127\.0\.0\.1:(\d+)", script)))  # a port printed in the command
+    with contextlib.ExitStack() as held:
+        for port in fixed:  # another test session (two suites at once) waits for it, not collides
+            lock = held.enter_context(open(f"/tmp/ddp-course-port-{port}.lock", "w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return run(["bash", "-euo", "pipefail", "-c", script], timeout=300, env=env, cwd=cwd)
 
 
 def test_readme_has_commands_and_the_test_command_is_what_ci_runs():
