@@ -154,13 +154,6 @@ def wait_for(condition, proc, timeout=TIMEOUT, poll=0.02):
     pytest.fail("condition not reached in time")
 
 
-def snapshot_step(path):
-    try:
-        return load(path)["step"]
-    except Exception:  # not written yet
-        return None
-
-
 @pytest.mark.slow
 def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_path, baseline):
     """One job, two deaths. 1) Freeze rank 0 (the writer) while its temp file exists, i.e.
