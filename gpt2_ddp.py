@@ -270,8 +270,9 @@ def build(args, ddp, data):
     if data["resume"]:  # every rank, before the DDP wrap; read on the CPU, copied into place
         state = load_checkpoint(data["resume"], "cpu", model=model, optimizer=optimizer, scaler=scaler)
         print0(f"resume: {data['resume']} at step {state['step']}")
-    # DDP: gradients are all-reduced in buckets during backward; as bucket views, they are not held twice
-    ddp_model = DDP(model, device_ids=[ddp.device.index] if cuda else None, gradient_as_bucket_view=True)
+    # DDP: all-reduce gradient buckets during backward (.grads are views into them); 1 process: nothing to reduce
+    ddp_model = DDP(model, device_ids=[ddp.device.index] if cuda else None,
+                    gradient_as_bucket_view=True) if ddp.world_size > 1 else model
     if args.compile:
         # DDP: compile the wrapper: Dynamo splits the graph at the buckets, so all-reduce still overlaps backward
         ddp_model = torch.compile(ddp_model)
@@ -279,10 +280,10 @@ def build(args, ddp, data):
 
 def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast):
     """One optimizer step over the micro-batches; returns their loss (left on the device)."""
-    total = 0.0
+    total, no_sync = 0.0, getattr(ddp_model, "no_sync", None)  # None: one process, not wrapped
     for i, (x, y) in enumerate(micro_batches):
         # DDP: all-reduce only after the last micro-batch; before it, gradients accumulate locally.
-        with nullcontext() if i == len(micro_batches) - 1 else ddp_model.no_sync(), autocast:
+        with no_sync() if no_sync and i < len(micro_batches) - 1 else nullcontext(), autocast:
             loss = ddp_model(x, y) / len(micro_batches)
         scaler.scale(loss).backward()
         total += loss.detach()
@@ -291,9 +292,8 @@ def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast)
         torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip_grad)  # same on every rank
     scaler.step(optimizer)
     scaler.update()
-    # DDP: zero in place. set_to_none=True drops the bucket views: autograd would allocate a new
-    # .grad every step and DDP copy it into the bucket, the copy gradient_as_bucket_view saves.
-    optimizer.zero_grad(set_to_none=False)
+    # DDP: zero in place; None would drop the bucket views (a new .grad, copied into the bucket, every step)
+    optimizer.zero_grad(set_to_none=no_sync is None)
     return total
 
 @torch.no_grad()

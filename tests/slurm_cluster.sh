@@ -114,7 +114,7 @@ start_munge() {
     chmod 0700 /etc/munge /var/lib/munge /var/log/munge
     chmod 0400 /etc/munge/munge.key
     chmod 0755 /run/munge
-    runuser -u munge -- munged --force || die "munged did not start (see /var/log/munge/munged.log)"
+    runuser -u munge -- munged --force 9>&- || die "munged did not start (see /var/log/munge/munged.log)"
 }
 
 wait_idle() {
@@ -173,9 +173,9 @@ start() {
     write_config
     export SLURM_CONF=$CONF
     start_munge
-    slurmctld || die "slurmctld did not start (see $DIR/log/slurmctld.log)"
+    slurmctld 9>&- || die "slurmctld did not start (see $DIR/log/slurmctld.log)"
     for n in "${NODES[@]}"; do
-        slurmd -N "$n" || die "slurmd -N $n did not start (see $DIR/log/slurmd-$n.log)"
+        slurmd -N "$n" 9>&- || die "slurmd -N $n did not start (see $DIR/log/slurmd-$n.log)"
     done
     wait_idle
     say "up: nodes ${NODES[*]} idle; export SLURM_CONF=$CONF"
@@ -189,6 +189,9 @@ status() {
     [[ -f $CONF ]] && SLURM_CONF=$CONF sinfo -N 2>/dev/null || true
 }
 
+# Two test sessions (or pytest workers) at once share apt-get, /etc/hosts and munge: one at a time here.
+# (The daemons are started with fd 9 closed, or they would hold the lock for as long as they run.)
+[[ ${1:-} == start || ${1:-} == stop ]] && exec 9>/tmp/ddp-course-slurm.lock && flock 9
 case "${1:-}" in
     start) start ;;
     stop) stop_daemons; say "stopped" ;;

@@ -366,48 +366,71 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
     assert not torch.equal(half["model"]["wte.weight"], straight["model"]["wte.weight"])  # it did train on
 
 
-def test_gradients_stay_in_ddp_buckets_between_steps():
-    """gradient_as_bucket_view + zero_grad(set_to_none=False): every step writes the gradients into
-    the same bucket memory (set_to_none=True would drop the views and reallocate every step)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ddp = types.SimpleNamespace(device=torch.device("cpu"), world_size=1)
-        args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", "unused"])
-        data = {"config": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64),
-                "init": None, "resume": None}
-        model, ddp_model, optimizer, scaler, _, _ = gpt2_ddp.build(args, ddp, data)
-        x = torch.randint(0, 64, (2, 8))
-        pointers = []
-        for _ in range(4):
-            gpt2_ddp.train_step(ddp_model, optimizer, scaler, [(x, x), (x, x)], 1.0,
-                                torch.autocast("cpu", enabled=False))
-            assert all(p.grad is not None for p in model.parameters())   # not set to None
-            pointers.append([p.grad.data_ptr() for p in model.parameters()])
-        assert pointers[1] == pointers[2] == pointers[3]   # (DDP rebuilds its buckets after step 1)
-        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-        assert len(storages) < len(list(model.parameters()))  # views into shared bucket storage
-    finally:
-        dist.destroy_process_group()
+def fake_group(world_size):
+    """A process group of `world_size` in this one process; its collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return types.SimpleNamespace(device=torch.device("cpu"), world_size=world_size)
 
+
+def keep_bucket(_, bucket):
+    """A DDP comm hook for the fake group: the bucket, unchanged (its all-reduce returns nothing)."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+TINY = {"config": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64), "init": None, "resume": None}
+
+
+def test_gradients_stay_in_ddp_buckets_and_one_process_is_not_wrapped():
+    """2 ranks: gradient_as_bucket_view + zero_grad(set_to_none=False): every step writes the gradients
+    into the same bucket memory (set_to_none=True would drop the views and reallocate every step).
+    1 process: no DDP wrapper (nothing to all-reduce), gradients set to None, accumulation still works."""
+    for world_size in (2, 1):
+        ddp = fake_group(world_size)
+        try:
+            args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", "unused"])
+            model, ddp_model, optimizer, scaler, _, _ = gpt2_ddp.build(args, ddp, TINY)
+            assert isinstance(ddp_model, gpt2_ddp.DDP) == (world_size > 1) and (ddp_model is model) == (world_size == 1)
+            if world_size > 1:  # the fake group's all-reduce returns nothing: a hook that keeps the bucket
+                ddp_model.register_comm_hook(None, keep_bucket)
+            x, pointers = torch.randint(0, 64, (2, 8)), []
+            for _ in range(4):
+                before = [p.detach().clone() for p in model.parameters()]
+                gpt2_ddp.train_step(ddp_model, optimizer, scaler, [(x, x), (x, x)], 1.0,
+                                    torch.autocast("cpu", enabled=False))
+                assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.dim() > 1)  # it trained
+                if world_size == 1:
+                    assert all(p.grad is None for p in model.parameters())  # set to None: no zeroing, no adding
+                    continue
+                assert all(p.grad is not None for p in model.parameters())   # not set to None
+                pointers.append([p.grad.data_ptr() for p in model.parameters()])
+            if world_size > 1:
+                assert pointers[1] == pointers[2] == pointers[3]   # (DDP rebuilds its buckets after step 1)
+                storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+                assert len(storages) < len(list(model.parameters()))  # views into shared bucket storage
+        finally:
+            dist.destroy_process_group()
 
 
 def test_compile_wraps_the_ddp_model(monkeypatch):
-    """--compile compiles the DDP wrapper (not the bare model), so Dynamo sees the buckets.
-    No real compile: it is slow on CPU."""
+    """--compile compiles the DDP wrapper (not the bare model), so Dynamo sees the buckets; one process
+    compiles its bare model. No real compile: it is slow on CPU."""
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda m: compiled.append(m) or m)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ddp = types.SimpleNamespace(device=torch.device("cpu"), world_size=1)
-        data = {"config": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64),
-                "init": None, "resume": None}
-        for flag, n in (([], 0), (["--compile"], 1)):
-            args = gpt2_ddp.parse_args(["--text", "unused", *flag])
-            _, ddp_model, *_ = gpt2_ddp.build(args, ddp, data)
-            assert len(compiled) == n
-        assert compiled == [ddp_model] and isinstance(ddp_model, gpt2_ddp.DDP)
-    finally:
-        dist.destroy_process_group()
+    for world_size in (2, 1):
+        ddp = fake_group(world_size)
+        try:
+            compiled.clear()
+            for flag, n in (([], 0), (["--compile"], 1)):
+                args = gpt2_ddp.parse_args(["--text", "unused", *flag])
+                model, ddp_model, *_ = gpt2_ddp.build(args, ddp, TINY)
+                assert len(compiled) == n
+            assert compiled == [ddp_model]
+            assert isinstance(ddp_model, gpt2_ddp.DDP) if world_size > 1 else ddp_model is model
+        finally:
+            dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
