@@ -1,6 +1,8 @@
 """Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
 and the whole process tree killed when a run fails or hangs."""
+import fcntl
 import os
+import random
 import re
 import shutil
 import signal
@@ -15,12 +17,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests (and mp.spawn children) can import the lessons
+# The tests oversubscribe the cores (3 workers, each running several processes). An OpenMP thread
+# that finished its part of an op spins, waiting for the next, on a core another test needs: PASSIVE
+# makes it sleep (a two-node test alone: 22-37 s of CPU -> 14 s). Set before any process loads torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def free_port():
+PORT_BOOK = Path(tempfile.gettempdir()) / "ddp-course-ports"  # port -> when handed out, for every session
+
+
+def free_port(n=1):
+    """The first of n consecutive TCP ports, free now and handed to no other test in the last 10
+    minutes (this session's workers or another session's: the book is shared, under a lock). Not
+    bind(("", 0)): the kernel can give one just-closed port to two workers before either launcher
+    binds it (seen: two torchrun jobs on one c10d store, one failing when the other ended). From
+    10000-19999: below the kernel's own picks (32768+) and the sbatch scripts' ports (20000+)."""
+    pick = random.SystemRandom()  # tests seed `random`: a seeded pick would repeat across workers
+    with open(PORT_BOOK, "a+") as book:
+        fcntl.flock(book, fcntl.LOCK_EX)
+        book.seek(0)
+        now = time.time()
+        given = {int(p): float(t) for p, t in map(str.split, book) if now - float(t) < 600}
+        for _ in range(1000):
+            first = pick.randrange(10000, 20000 - n)
+            ports = range(first, first + n)
+            if not given.keys() & set(ports) and all(map(_bindable, ports)):
+                break
+        else:
+            raise RuntimeError(f"no {n} free ports in 10000-19999")
+        given.update(dict.fromkeys(ports, now))
+        book.seek(0), book.truncate()
+        book.writelines(f"{p} {t}\n" for p, t in given.items())
+    return first
+
+
+def _bindable(port):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def cpu_env(**extra):
@@ -237,20 +274,6 @@ def assert_clean_failure(result, code=None):
 CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
 
 
-def free_port_run(n):
-    """The first of n consecutive free TCP ports (slurmctld, then one per slurmd)."""
-    for _ in range(100):
-        first = free_port()
-        try:
-            socks = [socket.create_server(("127.0.0.1", first + i)) for i in range(1, n)]
-        except OSError:
-            continue
-        for s in socks:
-            s.close()
-        return first
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def cannot_start_reason():
     if os.environ.get("DDP_COURSE_NO_SLURM") == "1" and os.environ.get("CI") != "true":
         return "DDP_COURSE_NO_SLURM=1"
@@ -272,7 +295,7 @@ def slurm():
         pytest.skip(f"no test Slurm: {reason}")
     # Its own state dir and ports: two test sessions at once get two clusters, not one torn down under the other.
     state_dir = tempfile.mkdtemp(prefix="ddp-course-slurm-", dir="/tmp")
-    port = free_port_run(3)
+    port = free_port(3)  # slurmctld, then one per slurmd
     # The sbatch scripts' rendezvous port is 20000 + job id % 20000: ids from port + 10000 keep it off
     # this cluster's ports and apart from another session's (its ports differ).
     env = dict(os.environ, SLURM_TEST_DIR=state_dir, SLURM_TEST_PORT=str(port),
