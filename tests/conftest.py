@@ -60,6 +60,22 @@ def _bindable(port):
     return True
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """pytest.ini's `--dist loadscope` gives each test module to one worker, so a module's fixtures
+    run once. test_readme's commands (a third of the suite's time) would then run one after another
+    on one worker, the suite's longest chain: each command, with the check of the output it shows
+    (they share one run), is a unit of its own instead."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndReadmeCommands(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            m = re.search(r"test_readme\.py::test_(command_runs|shown_output)\w*\[(\S+ of )?(\S+:\d+)", nodeid)
+            return m.group(3) if m else super()._split_scope(nodeid)
+    return ModulesAndReadmeCommands(config, log)
+
+
 def cpu_env(**extra):
     """Environment for a CPU/gloo run: no GPU, one thread per process, short collective timeout."""
     env = {k: v for k, v in os.environ.items()
