@@ -9,6 +9,7 @@ Three knobs plain DDP leaves off, on a small BatchNorm CNN and synthetic images 
 Checkpoints hold the full optimizer state (with or without --zero: interchangeable) and the
 PowerSGD state, so a resumed run continues exactly. The DDP-specific lines are marked `# DDP:`.
 """
+
 import argparse
 import gc
 import os
@@ -28,33 +29,84 @@ from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Lesson 7: ZeRO-1, SyncBatchNorm and DDP communication "
-                                "hooks. Launch with: torchrun --standalone --nproc_per_node=N ddp_knobs.py")
+    p = argparse.ArgumentParser(
+        description="Lesson 7: ZeRO-1, SyncBatchNorm and DDP communication "
+        "hooks. Launch with: torchrun --standalone --nproc_per_node=N ddp_knobs.py"
+    )
     a = p.add_argument
     a("--zero", action="store_true", help="shard the optimizer state over the ranks (ZeRO-1)")
     a("--sync-bn", action="store_true", help="BatchNorm statistics over the global batch")
-    a("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"],
-      help="gradient communication: none = fp32 all-reduce (default); fp16 / bf16 = 16-bit "
-           "buckets; powersgd = low-rank compression with error feedback (saved in checkpoints)")
+    a(
+        "--comm-hook",
+        default="none",
+        choices=["none", "fp16", "bf16", "powersgd"],
+        help="gradient communication: none = fp32 all-reduce (default); fp16 / bf16 = 16-bit "
+        "buckets; powersgd = low-rank compression with error feedback (saved in checkpoints)",
+    )
     a("--powersgd-rank", type=int, default=2, help="PowerSGD approximation rank (default 2)")
-    a("--powersgd-warmup", type=int, default=100,
-      help="steps of plain all-reduce before PowerSGD compresses (default 100, at least 2)")
-    a("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB (default 25)")
-    a("--optimizer", default="sgd", choices=["sgd", "adamw"], help="SGD with momentum 0.9, or AdamW")
-    a("--lr", type=float, default=None,
-      help="learning rate, used as given for any world size (default: sgd 0.05, adamw 0.003)")
+    a(
+        "--powersgd-warmup",
+        type=int,
+        default=100,
+        help="steps of plain all-reduce before PowerSGD compresses (default 100, at least 2)",
+    )
+    a(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="DDP gradient bucket size in MiB (default 25)",
+    )
+    a(
+        "--optimizer",
+        default="sgd",
+        choices=["sgd", "adamw"],
+        help="SGD with momentum 0.9, or AdamW",
+    )
+    a(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate, used as given for any world size (default: sgd 0.05, adamw 0.003)",
+    )
     a("--epochs", type=int, default=3, help="passes over the training set (default 3)")
     a("--max-steps", type=int, default=0, help="stop after this many steps in all (0 = no cap)")
     a("--batch-size", type=int, default=32, help="samples per step PER RANK (default 32)")
-    a("--samples", type=int, default=4096, help="synthetic training images (validation: 1/4 as many)")
+    a(
+        "--samples",
+        type=int,
+        default=4096,
+        help="synthetic training images (validation: 1/4 as many)",
+    )
     a("--seed", type=int, default=0, help="seed for the weights, the data and its order")
-    a("--checkpoint-dir", default="./checkpoints", help="where last.pt goes (default ./checkpoints)")
-    a("--resume", default=None, metavar="PATH|auto", help="resume from PATH; auto = DIR/last.pt if any")
+    a(
+        "--checkpoint-dir",
+        default="./checkpoints",
+        help="where last.pt goes (default ./checkpoints)",
+    )
+    a(
+        "--resume",
+        default=None,
+        metavar="PATH|auto",
+        help="resume from PATH; auto = DIR/last.pt if any",
+    )
     a("--log-every", type=int, default=50, help="steps between log lines (default 50)")
-    a("--backend", default="auto", choices=["auto", "nccl", "gloo"], help="auto: NCCL on GPUs, else gloo")
+    a(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="auto: NCCL on GPUs, else gloo",
+    )
     args = p.parse_args(argv)
-    for name, low in [("epochs", 1), ("batch_size", 1), ("log_every", 1), ("samples", 1), ("max_steps", 0),
-                      ("seed", 0), ("powersgd_rank", 1), ("powersgd_warmup", 2)]:  # see PowerSGDState
+    for name, low in [
+        ("epochs", 1),
+        ("batch_size", 1),
+        ("log_every", 1),
+        ("samples", 1),
+        ("max_steps", 0),
+        ("seed", 0),
+        ("powersgd_rank", 1),
+        ("powersgd_warmup", 2),
+    ]:  # see PowerSGDState
         if getattr(args, name) < low:
             p.error(f"--{name.replace('_', '-')} must be at least {low}")
     if args.bucket_cap_mb <= 0 or (args.lr is not None and args.lr <= 0):
@@ -88,6 +140,7 @@ def make_data(seed, n):
     def draw(m):
         y = torch.randint(0, 10, (m,), generator=g)
         return protos[y] + 1.5 * torch.randn(m, 3, 16, 16, generator=g), y
+
     return draw(n), draw(max(1, n // 4))
 
 
@@ -165,10 +218,15 @@ def register_comm_hook(ddp_model, args):
         return None
     # Each gradient matrix M (n x m) goes as two rank-r factors P (n x r), Q (m x r); what they
     # miss stays on the rank (error feedback) and joins the next step's gradient.
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                        start_powerSGD_iter=args.powersgd_warmup)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=args.powersgd_rank,
+        start_powerSGD_iter=args.powersgd_warmup,
+    )
     waiting = dist.get_backend() == "gloo"
-    ddp_model.register_comm_hook(state, powersgd_waiting if waiting else powerSGD_hook.powerSGD_hook)
+    ddp_model.register_comm_hook(
+        state, powersgd_waiting if waiting else powerSGD_hook.powerSGD_hook
+    )
     return state
 
 
@@ -176,16 +234,27 @@ def powersgd_state_dict(state):
     """This rank's PowerSGD state as tensors and ints (weights_only=True loads them): the error
     left over per bucket (differs per rank), the warm-start factors, the step count, the RNG."""
     _, keys, pos, has_gauss, gauss = state.rng.get_state()
-    tensors = {key: {k: v.cpu() for k, v in d.items()} for key, d in
-               [("error", state.error_dict), ("p", state.p_memory_dict), ("q", state.q_memory_dict)]}
-    return {"iter": state.iter, "rng": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-            "numel": [state.total_numel_before_compression, state.total_numel_after_compression], **tensors}
+    tensors = {
+        key: {k: v.cpu() for k, v in d.items()}
+        for key, d in [
+            ("error", state.error_dict),
+            ("p", state.p_memory_dict),
+            ("q", state.q_memory_dict),
+        ]
+    }
+    return {
+        "iter": state.iter,
+        "rng": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "numel": [state.total_numel_before_compression, state.total_numel_after_compression],
+        **tensors,
+    }
 
 
 def load_powersgd_state(state, saved, device):
     state.iter = saved["iter"]
     state.error_dict, state.p_memory_dict, state.q_memory_dict = (
-        {k: v.to(device) for k, v in saved[key].items()} for key in ("error", "p", "q"))
+        {k: v.to(device) for k, v in saved[key].items()} for key in ("error", "p", "q")
+    )
     keys, pos, has_gauss, gauss = saved["rng"]
     state.rng.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     state.total_numel_before_compression, state.total_numel_after_compression = saved["numel"]
@@ -206,7 +275,9 @@ def rebuild_buckets_now(ddp_model, x):
 def build_optimizer(model, args, device):
     cls = torch.optim.SGD if args.optimizer == "sgd" else torch.optim.AdamW
     extra = {"momentum": 0.9} if args.optimizer == "sgd" else {}
-    kwargs = dict(lr=args.lr, fused=device.type == "cuda", **extra)  # fused: one kernel for the update
+    kwargs = dict(
+        lr=args.lr, fused=device.type == "cuda", **extra
+    )  # fused: one kernel for the update
     if args.zero:
         # DDP: ZeRO-1. Each rank builds `cls` over its shard of the parameters, updates only that
         # shard in step() and broadcasts it. Gradients are still all-reduced in full.
@@ -253,9 +324,11 @@ def evaluate(model, x, y, ddp):
     """Exact loss and accuracy of the bare model (rank r: samples r, r+W, ...; sums all-reduced)."""
     sync_buffers(model)
     model.eval()
-    logits = model(x[ddp.rank::ddp.world_size])
-    yr = y[ddp.rank::ddp.world_size]
-    totals = torch.stack([F.cross_entropy(logits, yr, reduction="sum"), (logits.argmax(1) == yr).sum()])
+    logits = model(x[ddp.rank :: ddp.world_size])
+    yr = y[ddp.rank :: ddp.world_size]
+    totals = torch.stack(
+        [F.cross_entropy(logits, yr, reduction="sum"), (logits.argmax(1) == yr).sum()]
+    )
     dist.all_reduce(totals)  # DDP: sum the shards
     model.train()
     return (v / len(y) for v in totals.tolist())
@@ -273,8 +346,11 @@ def resume_path(args, ddp):
         print0(f"resume: no {path} yet; starting from scratch")
         return None
     if seen.item() < ddp.world_size:
-        fail(f"checkpoint {path} is missing on {ddp.world_size - int(seen.item())} of {ddp.world_size} "
-             "ranks: every rank must read it (use a shared --checkpoint-dir or copy it)", rank0_only=True)
+        fail(
+            f"checkpoint {path} is missing on {ddp.world_size - int(seen.item())} of {ddp.world_size} "
+            "ranks: every rank must read it (use a shared --checkpoint-dir or copy it)",
+            rank0_only=True,
+        )
     return path
 
 
@@ -288,10 +364,17 @@ def save(path, ddp_model, optimizer, hook_state, args, ddp, step):
     hook_states = [None] * ddp.world_size if ddp.is_main and hook_state is not None else None
     if hook_state is not None:  # DDP: error feedback differs per rank: gather all of them
         dist.gather_object(powersgd_state_dict(hook_state), hook_states, dst=0)
-    save_checkpoint({"model": ddp_model.module.state_dict(),  # DDP: the bare model's weights
-                     "optimizer": optimizer.state_dict() if ddp.is_main or not args.zero else None,
-                     "powersgd": hook_states, "step": step, "world_size": ddp.world_size,
-                     "args": vars(args)}, path)
+    save_checkpoint(
+        {
+            "model": ddp_model.module.state_dict(),  # DDP: the bare model's weights
+            "optimizer": optimizer.state_dict() if ddp.is_main or not args.zero else None,
+            "powersgd": hook_states,
+            "step": step,
+            "world_size": ddp.world_size,
+            "args": vars(args),
+        },
+        path,
+    )
 
 
 def restore(path, ddp_model, optimizer, hook_state, args, ddp, x0):
@@ -307,8 +390,10 @@ def restore(path, ddp_model, optimizer, hook_state, args, ddp, x0):
             rebuild_buckets_now(ddp_model, x0)
             load_powersgd_state(hook_state, saved[ddp.rank], ddp.device)
         else:
-            print0(f"warning: {path} has no PowerSGD state for {ddp.world_size} ranks and "
-                   f"{args.bucket_cap_mb:g} MiB buckets: error feedback restarts at zero (not exact)")
+            print0(
+                f"warning: {path} has no PowerSGD state for {ddp.world_size} ranks and "
+                f"{args.bucket_cap_mb:g} MiB buckets: error feedback restarts at zero (not exact)"
+            )
     print0(f"resume: {path} at step {ckpt['step']}")
     return ckpt["step"]
 
@@ -319,29 +404,44 @@ def build(args, ddp):
     model = Net().to(ddp.device)
     if args.sync_bn:
         model = convert_sync_bn(model, ddp.device)
-    ddp_model = DDP(model, device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None,
-                    bucket_cap_mb=args.bucket_cap_mb)  # DDP: all-reduce gradients in buckets
-    return ddp_model, register_comm_hook(ddp_model, args), build_optimizer(ddp_model, args, ddp.device)
+    ddp_model = DDP(
+        model,
+        device_ids=[ddp.device.index] if ddp.device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )  # DDP: all-reduce gradients in buckets
+    return (
+        ddp_model,
+        register_comm_hook(ddp_model, args),
+        build_optimizer(ddp_model, args, ddp.device),
+    )
 
 
 def train(args, ddp):
     """Train; returns a summary (the tests call this inside spawned ranks)."""
-    (x, y), (xv, yv) = (tuple(t.to(ddp.device) for t in xy) for xy in make_data(args.seed, args.samples))
+    (x, y), (xv, yv) = (
+        tuple(t.to(ddp.device) for t in xy) for xy in make_data(args.seed, args.samples)
+    )
     # DDP: each rank reads its own 1/world_size of the shuffled indices, every epoch a new order.
-    sampler = DistributedSampler(range(len(x)), num_replicas=ddp.world_size, rank=ddp.rank, seed=args.seed)
+    sampler = DistributedSampler(
+        range(len(x)), num_replicas=ddp.world_size, rank=ddp.rank, seed=args.seed
+    )
     per_epoch = len(sampler) // args.batch_size
     if per_epoch == 0:
-        fail(f"{len(sampler)} samples per rank is less than one batch of {args.batch_size}: "
-             "lower --batch-size or raise --samples")
+        fail(
+            f"{len(sampler)} samples per rank is less than one batch of {args.batch_size}: "
+            "lower --batch-size or raise --samples"
+        )
     run_steps = min(args.epochs * per_epoch, args.max_steps or args.epochs * per_epoch)
     ddp_model, hook_state, optimizer = build(args, ddp)
     last, path = os.path.join(args.checkpoint_dir, "last.pt"), resume_path(args, ddp)
     step = restore(path, ddp_model, optimizer, hook_state, args, ddp, x[:2]) if path else 0
     n_params = sum(p.numel() for p in ddp_model.parameters())
-    print0(f"start: data synthetic | params {n_params} | world {ddp.world_size} | backend {ddp.backend} "
-           f"| device {ddp.device.type} | batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} "
-           f"global | optimizer {args.optimizer}{' zero' if args.zero else ''} | sync_bn {args.sync_bn} "
-           f"| comm_hook {args.comm_hook} | steps {step}->{run_steps}")
+    print0(
+        f"start: data synthetic | params {n_params} | world {ddp.world_size} | backend {ddp.backend} "
+        f"| device {ddp.device.type} | batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} "
+        f"global | optimizer {args.optimizer}{' zero' if args.zero else ''} | sync_bn {args.sync_bn} "
+        f"| comm_hook {args.comm_hook} | steps {step}->{run_steps}"
+    )
     stats = torch.zeros(2, device=ddp.device)  # loss sum, correct since the last log line
     t0 = t_log = time.perf_counter()
     loss = val_loss = val_acc = float("nan")
@@ -351,7 +451,7 @@ def train(args, ddp):
         if i == 0 or order is None:
             sampler.set_epoch(epoch)  # DDP: without this every epoch repeats epoch 0's order
             order = torch.tensor(list(sampler), device=ddp.device)
-        idx = order[i * args.batch_size:(i + 1) * args.batch_size]
+        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
         optimizer.zero_grad(set_to_none=True)
         logits = ddp_model(x[idx])
         batch_loss = F.cross_entropy(logits, y[idx])
@@ -363,28 +463,44 @@ def train(args, ddp):
             dist.all_reduce(stats)  # DDP: global figures, once per log line
             count, now = (step - logged) * args.batch_size * ddp.world_size, time.perf_counter()
             loss, acc = (v / count for v in stats.tolist())
-            print0(f"epoch {epoch + 1}/{args.epochs} | step {step}/{run_steps} | loss {loss:.4f} | "
-                   f"acc {100 * acc:.2f}% | {count / (now - t_log):.0f} samples/s")
+            print0(
+                f"epoch {epoch + 1}/{args.epochs} | step {step}/{run_steps} | loss {loss:.4f} | "
+                f"acc {100 * acc:.2f}% | {count / (now - t_log):.0f} samples/s"
+            )
             stats.zero_()
             t_log, logged = now, step
         if step % per_epoch == 0 or step == run_steps:
             val_loss, val_acc = evaluate(ddp_model.module, xv, yv, ddp)  # DDP: the bare model
-            print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
-                   f"val_acc {100 * val_acc:.2f}%")
+            print0(
+                f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
+                f"val_acc {100 * val_acc:.2f}%"
+            )
             save(last, ddp_model, optimizer, hook_state, args, ddp, step)
             t_log = time.perf_counter()  # samples/s counts training only
     if val_loss != val_loss:  # NaN: resumed with nothing left to train
         val_loss, val_acc = evaluate(ddp_model.module, xv, yv, ddp)
-    opt_bytes, comm = optimizer_state_bytes(optimizer), comm_bytes_per_step(args, n_params, hook_state)
-    print0(f"done: data synthetic | world {ddp.world_size} | backend {ddp.backend} | device "
-           f"{ddp.device.type} | steps {step} | loss {loss:.4f} | val_loss {val_loss:.4f} | val_acc "
-           f"{100 * val_acc:.2f}% | opt_state {opt_bytes / 2**20:.3f} MiB/rank | grad_comm "
-           f"{comm / 2**10:.1f} KiB/step/rank | time {time.perf_counter() - t0:.1f}s")
+    opt_bytes, comm = (
+        optimizer_state_bytes(optimizer),
+        comm_bytes_per_step(args, n_params, hook_state),
+    )
+    print0(
+        f"done: data synthetic | world {ddp.world_size} | backend {ddp.backend} | device "
+        f"{ddp.device.type} | steps {step} | loss {loss:.4f} | val_loss {val_loss:.4f} | val_acc "
+        f"{100 * val_acc:.2f}% | opt_state {opt_bytes / 2**20:.3f} MiB/rank | grad_comm "
+        f"{comm / 2**10:.1f} KiB/step/rank | time {time.perf_counter() - t0:.1f}s"
+    )
     weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     del ddp_model, optimizer, hook_state  # DDP: drop the wrapper before the process group (gc)
     gc.collect()
-    return {"step": step, "loss": loss, "val_loss": val_loss, "val_acc": val_acc, "model": weights,
-            "opt_state_bytes": opt_bytes, "comm_bytes": comm}
+    return {
+        "step": step,
+        "loss": loss,
+        "val_loss": val_loss,
+        "val_acc": val_acc,
+        "model": weights,
+        "opt_state_bytes": opt_bytes,
+        "comm_bytes": comm,
+    }
 
 
 def main(argv=None):

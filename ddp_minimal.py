@@ -7,6 +7,7 @@ trains on its own shard of the data. DDP averages the gradients during backward,
 process takes the same step and the copies stay identical: 2 processes with 32 samples each
 train exactly like 1 process with 64. Every line that is there for DDP is marked `# DDP:`.
 """
+
 import argparse
 import gc
 import os
@@ -26,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 def make_dataset(n=2048, dim=16, seed=0):
     """y = a fixed random smooth function of x, plus a little noise: a loss that can fall."""
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(n, dim, generator=g), torch.randn(dim, 1, generator=g) / dim ** 0.5
+    x, w = torch.randn(n, dim, generator=g), torch.randn(dim, 1, generator=g) / dim**0.5
     return TensorDataset(x, torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=g))
 
 
@@ -39,8 +40,12 @@ def worker(rank, world_size, args):
     else:  # DDP: N CPU processes share the cores; N full thread pools would fight over them
         torch.set_num_threads(max(1, os.cpu_count() // world_size))
     # DDP: join the group: rank 0 listens at MASTER_ADDR:MASTER_PORT, the others connect there.
-    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world_size,
-                            device_id=device if on_gpu else None)
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo",
+        rank=rank,
+        world_size=world_size,
+        device_id=device if on_gpu else None,
+    )
     torch.manual_seed(args.seed)  # the same initial weights in every process
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
     model = DDP(model, device_ids=[rank] if on_gpu else None)  # DDP: averages grads in backward
@@ -66,9 +71,12 @@ def worker(rank, world_size, args):
         if rank == 0:  # DDP: one process prints, not world_size copies
             print(f"epoch {epoch + 1}/{args.epochs} | loss {losses[-1]:.4f}", flush=True)
     if rank == 0:
-        print(f"done: world {world_size} | backend {dist.get_backend()} | device {device.type} | "
-              f"loss {losses[-1]:.4f} (first epoch {losses[0]:.4f}) | "
-              f"time {time.perf_counter() - t0:.1f}s", flush=True)
+        print(
+            f"done: world {world_size} | backend {dist.get_backend()} | device {device.type} | "
+            f"loss {losses[-1]:.4f} (first epoch {losses[0]:.4f}) | "
+            f"time {time.perf_counter() - t0:.1f}s",
+            flush=True,
+        )
     model = model.module  # DDP: drop the wrapper before leaving (a live one can abort gloo at exit)
     gc.collect()  # ...and free the reference cycles it leaves behind
     dist.destroy_process_group()  # DDP: leave the group cleanly
@@ -77,8 +85,12 @@ def worker(rank, world_size, args):
 
 def main():
     p = argparse.ArgumentParser(description="Lesson 0: the bare DDP calls, no helper.")
-    p.add_argument("--nproc", type=int, default=torch.cuda.device_count() or 2,
-                   help="processes to start (default: one per GPU, or 2 on CPU)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=torch.cuda.device_count() or 2,
+        help="processes to start (default: one per GPU, or 2 on CPU)",
+    )
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32, help="PER PROCESS (global = this x nproc)")
     p.add_argument("--lr", type=float, default=0.1)
@@ -92,9 +104,12 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(s.getsockname()[1])
-    print(f"start: world {args.nproc} | backend {'nccl' if torch.cuda.is_available() else 'gloo'} | "
-          f"batch {args.batch_size}/process, "
-          f"{args.batch_size * args.nproc} global | epochs {args.epochs}", flush=True)
+    print(
+        f"start: world {args.nproc} | backend {'nccl' if torch.cuda.is_available() else 'gloo'} | "
+        f"batch {args.batch_size}/process, "
+        f"{args.batch_size * args.nproc} global | epochs {args.epochs}",
+        flush=True,
+    )
     mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)  # DDP: calls worker(rank, ...)
 
 

@@ -8,6 +8,7 @@ replica takes the same optimizer step and the replicas stay identical. Each proc
 different shard of the data (DistributedSampler), which is where the speed-up comes from.
 The DDP-specific lines are marked `# DDP:`.
 """
+
 import argparse
 import datetime
 import os
@@ -27,25 +28,50 @@ MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Lesson 1: train a small CNN on MNIST with DDP. "
-                                "Launch with: torchrun --standalone --nproc_per_node=N ddp_mnist.py")
-    p.add_argument("--data", default="auto", choices=["auto", "mnist", "synthetic"],
-                   help="mnist: the real set (downloaded into --data-dir if missing, error if it "
-                        "cannot be); synthetic: generated MNIST-shaped digits, no download; "
-                        "auto: mnist, or synthetic with a warning when it cannot be had (default)")
+    p = argparse.ArgumentParser(
+        description="Lesson 1: train a small CNN on MNIST with DDP. "
+        "Launch with: torchrun --standalone --nproc_per_node=N ddp_mnist.py"
+    )
+    p.add_argument(
+        "--data",
+        default="auto",
+        choices=["auto", "mnist", "synthetic"],
+        help="mnist: the real set (downloaded into --data-dir if missing, error if it "
+        "cannot be); synthetic: generated MNIST-shaped digits, no download; "
+        "auto: mnist, or synthetic with a warning when it cannot be had (default)",
+    )
     p.add_argument("--data-dir", default="./data", help="where MNIST/raw/ lives (default ./data)")
     p.add_argument("--epochs", type=int, default=2, help="passes over the training set (default 2)")
-    p.add_argument("--max-steps", type=int, default=0,
-                   help="stop after this many optimizer steps in all (0 = no cap); for quick checks")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="samples per step PER RANK; the global batch is this x world size (default 64)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many optimizer steps in all (0 = no cap); for quick checks",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="samples per step PER RANK; the global batch is this x world size (default 64)",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed for init, data order and synthetic data")
-    p.add_argument("--checkpoint-dir", default="./checkpoints",
-                   help="rank 0 saves mnist.pt here after every epoch (default ./checkpoints)")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                   help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
-    p.add_argument("--log-every", type=int, default=100, help="steps between log lines (default 100)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for init, data order and synthetic data"
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default="./checkpoints",
+        help="rank 0 saves mnist.pt here after every epoch (default ./checkpoints)",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
+    )
+    p.add_argument(
+        "--log-every", type=int, default=100, help="steps between log lines (default 100)"
+    )
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "log_every"):
         if getattr(args, name) < 1:
@@ -74,9 +100,12 @@ class Net(nn.Module):
 def load_mnist(data_dir, download):
     """Real MNIST through torchvision (IDX files in DATA_DIR/MNIST/raw/), as normalised tensors."""
     from torchvision.datasets import MNIST
+
     sets = [MNIST(data_dir, train=train, download=download) for train in (True, False)]
-    return [TensorDataset(s.data.unsqueeze(1).float().div(255).sub(MEAN).div(STD), s.targets)
-            for s in sets]
+    return [
+        TensorDataset(s.data.unsqueeze(1).float().div(255).sub(MEAN).div(STD), s.targets)
+        for s in sets
+    ]
 
 
 def synthetic_mnist(seed, n_train=60000, n_test=10000):
@@ -85,14 +114,16 @@ def synthetic_mnist(seed, n_train=60000, n_test=10000):
     g = torch.Generator().manual_seed(seed + 12345)
     protos = F.interpolate(torch.rand(10, 1, 7, 7, generator=g), size=28, mode="bilinear")
     # each prototype moved by (-2..2, -2..2) pixels: pattern k of class c is shifted[c * 25 + k]
-    shifted = torch.cat([torch.roll(protos, shifts=(k // 5 - 2, k % 5 - 2), dims=(2, 3))
-                         for k in range(25)], dim=1).view(250, 1, 28, 28)
+    shifted = torch.cat(
+        [torch.roll(protos, shifts=(k // 5 - 2, k % 5 - 2), dims=(2, 3)) for k in range(25)], dim=1
+    ).view(250, 1, 28, 28)
 
     def make(n):
         y = torch.randint(0, 10, (n,), generator=g)
         shift = torch.randint(0, 25, (n,), generator=g)
         x = torch.randn(n, 1, 28, 28, generator=g).mul_(1.2).add_(shifted[y * 25 + shift])
         return TensorDataset(x.sub_(x.mean()).div_(x.std()), y)
+
     return make(n_train), make(n_test)
 
 
@@ -120,11 +151,16 @@ def get_data(args, ddp):
     missing = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
     if not missing:
         return "mnist", *data
-    where = (f"MNIST is not in --data-dir/MNIST/raw and could not be downloaded on "
-             f"{len(missing)} of {ddp.world_size} ranks ({'; '.join(missing)[:400]})")
+    where = (
+        f"MNIST is not in --data-dir/MNIST/raw and could not be downloaded on "
+        f"{len(missing)} of {ddp.world_size} ranks ({'; '.join(missing)[:400]})"
+    )
     if args.data == "mnist":
-        fail(f"{where}. Put the four IDX files in --data-dir on every node, or use --data synthetic",
-             code=1, rank0_only=True)
+        fail(
+            f"{where}. Put the four IDX files in --data-dir on every node, or use --data synthetic",
+            code=1,
+            rank0_only=True,
+        )
     print0(f"warning: {where}; every rank uses synthetic MNIST-shaped data instead")
     return "synthetic", *synthetic_mnist(args.seed)
 
@@ -153,10 +189,12 @@ def evaluate(model, test_set, ddp, batch_size):
 
 def make_train_loader(train_set, ddp, batch_size, seed):
     # DDP: each rank draws a different 1/world_size of the shuffled indices every epoch.
-    sampler = DistributedSampler(train_set, num_replicas=ddp.world_size, rank=ddp.rank,
-                                 shuffle=True, seed=seed)
-    return DataLoader(train_set, batch_size=batch_size, sampler=sampler,
-                      pin_memory=ddp.device.type == "cuda")  # pinned memory: async host->GPU copies
+    sampler = DistributedSampler(
+        train_set, num_replicas=ddp.world_size, rank=ddp.rank, shuffle=True, seed=seed
+    )
+    return DataLoader(
+        train_set, batch_size=batch_size, sampler=sampler, pin_memory=ddp.device.type == "cuda"
+    )  # pinned memory: async host->GPU copies
 
 
 def train(args, ddp):
@@ -175,9 +213,11 @@ def train(args, ddp):
     total_steps = args.epochs * steps_per_epoch
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
-    print0(f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | world {ddp.world_size} "
-           f"| backend {ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
-           f"{args.batch_size * ddp.world_size} global | steps {total_steps}")
+    print0(
+        f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | world {ddp.world_size} "
+        f"| backend {ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
+        f"{args.batch_size * ddp.world_size} global | steps {total_steps}"
+    )
 
     step, t_start = 0, time.perf_counter()
     t_log, loss_sum = t_start, torch.zeros((), device=ddp.device)
@@ -196,26 +236,38 @@ def train(args, ddp):
                 now = time.perf_counter()  # .item() below waits for the GPU: once per log line
                 rate = n * args.batch_size * ddp.world_size / (now - t_log)
                 eta = (total_steps - step) * (now - t_start) / step
-                print0(f"epoch {epoch + 1}/{args.epochs} | step {step}/{total_steps} | "
-                       f"loss {loss_sum.item() / n:.4f} | {rate:.0f} samples/s | "
-                       f"eta {datetime.timedelta(seconds=round(eta))}")
+                print0(
+                    f"epoch {epoch + 1}/{args.epochs} | step {step}/{total_steps} | "
+                    f"loss {loss_sum.item() / n:.4f} | {rate:.0f} samples/s | "
+                    f"eta {datetime.timedelta(seconds=round(eta))}"
+                )
                 t_log, loss_sum = now, torch.zeros((), device=ddp.device)
             if step == total_steps:
                 break
         # DDP: evaluate the bare model: every rank holds the same weights, no wrapper needed.
         val_loss, val_acc, correct, count = evaluate(model.module, test_set, ddp, args.batch_size)
-        print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
-               f"val_acc {100 * val_acc:.2f}% ({correct}/{count})")
+        print0(
+            f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
+            f"val_acc {100 * val_acc:.2f}% ({correct}/{count})"
+        )
         # DDP: save model.module (the bare model, no 'module.' prefix); rank 0 writes atomically.
-        save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "epoch": epoch + 1, "step": step},
-                        os.path.join(args.checkpoint_dir, "mnist.pt"))
+        save_checkpoint(
+            {
+                "model": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch + 1,
+                "step": step,
+            },
+            os.path.join(args.checkpoint_dir, "mnist.pt"),
+        )
         if step == total_steps:
             break
 
-    print0(f"done: data {dataset} | world {ddp.world_size} | backend {ddp.backend} | "
-           f"device {ddp.device.type} | steps {step} | val_loss {val_loss:.4f} | "
-           f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | time {time.perf_counter() - t_start:.1f}s")
+    print0(
+        f"done: data {dataset} | world {ddp.world_size} | backend {ddp.backend} | "
+        f"device {ddp.device.type} | steps {step} | val_loss {val_loss:.4f} | "
+        f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | time {time.perf_counter() - t_start:.1f}s"
+    )
     return model
 
 

@@ -3,6 +3,7 @@
 New here: mp.spawn; every rank loads the pretrained weights before DDP wraps the model; token
 windows sharded by DistributedSampler; an exact validation loss; rank 0 exports the model for
 Hugging Face transformers (generate text there) after leaving the group. The DDP lines are marked `# DDP:`."""
+
 import argparse
 import collections
 import itertools
@@ -26,22 +27,41 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, free_port, load_checkpoint, print0, save_checkpoint, set_seed, setup
+from ddp_common import (
+    cleanup,
+    fail,
+    free_port,
+    load_checkpoint,
+    print0,
+    save_checkpoint,
+    set_seed,
+    setup,
+)
 
 HUB_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # openai-community/<name>
 # Hugging Face stores these as Conv1D weights, (in, out): the transpose of nn.Linear's.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
-GPTConfig = collections.namedtuple("GPTConfig", "n_layer n_head n_embd block_size vocab_size", defaults=[50257])
-PRESETS = {"124m": GPTConfig(12, 12, 768, 1024), "tiny": GPTConfig(4, 4, 128, 256)}  # block_size: the context
+GPTConfig = collections.namedtuple(
+    "GPTConfig", "n_layer n_head n_embd block_size vocab_size", defaults=[50257]
+)
+PRESETS = {
+    "124m": GPTConfig(12, 12, 768, 1024),
+    "tiny": GPTConfig(4, 4, 128, 256),
+}  # block_size: the context
 LOSS_CHUNK = {"cpu": 2**22, "cuda": 2**28}  # logits per chunk of the loss: see LMHeadLoss
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel")
     a = p.add_argument
     a("--nproc", type=int, help="mp.spawn workers (default: 1 per GPU, else 1); not with torchrun")
-    a("--init-from", default="scratch", metavar="scratch|gpt2|PATH",
-      help="random (--preset); gpt2[-medium|-large|-xl] from the Hub; a model.safetensors")
+    a(
+        "--init-from",
+        default="scratch",
+        metavar="scratch|gpt2|PATH",
+        help="random (--preset); gpt2[-medium|-large|-xl] from the Hub; a model.safetensors",
+    )
     a("--preset", default="tiny", choices=list(PRESETS), help="model size from scratch")
     a("--tokenizer", default="gpt2", choices=["gpt2", "bytes"], help="bytes: no download")
     a("--text", required=True, help="the UTF-8 text file to train on")
@@ -53,8 +73,12 @@ def parse_args(argv=None):
     a("--lr", type=float, default=6e-4, help="peak AdamW lr (fine-tuning wants less, e.g. 1e-4)")
     a("--warmup-steps", type=int, default=10, help="linear warm-up, then cosine decay to lr/10")
     a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
-    a("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
-      help="auto: bf16 on GPUs with real bf16, else fp16 + GradScaler on CUDA; off on CPU")
+    a(
+        "--amp",
+        default="auto",
+        choices=["auto", "bf16", "fp16", "off"],
+        help="auto: bf16 on GPUs with real bf16, else fp16 + GradScaler on CUDA; off on CPU",
+    )
     a("--compile", action="store_true", help="torch.compile the DDP model (slow first steps)")
     a("--save-every", type=int, default=0, help="steps between val + checkpoint (0 = each epoch)")
     a("--checkpoint-dir", default="./checkpoints", help="where gpt2.pt goes")
@@ -64,14 +88,26 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0)
     a("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     args = p.parse_args(argv)
-    for k, low in dict(epochs=1, batch_size=1, accum_steps=1, log_every=1, max_length=0, nproc=1,
-                       max_steps=0, warmup_steps=0, save_every=0, clip_grad=0).items():
+    for k, low in dict(
+        epochs=1,
+        batch_size=1,
+        accum_steps=1,
+        log_every=1,
+        max_length=0,
+        nproc=1,
+        max_steps=0,
+        warmup_steps=0,
+        save_every=0,
+        clip_grad=0,
+    ).items():
         if getattr(args, k) is not None and getattr(args, k) < low:
             p.error(f"--{k.replace('_', '-')} must be at least {low}")
     return args
 
+
 class Block(nn.Module):
     """Pre-LayerNorm block; modules named as Hugging Face's, so its weights load by name."""
+
     def __init__(self, cfg):
         super().__init__()
         C, self.n_head = cfg.n_embd, cfg.n_head
@@ -79,6 +115,7 @@ class Block(nn.Module):
         self.attn, self.mlp = nn.Module(), nn.Module()
         self.attn.c_attn, self.attn.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)  # q, k, v at once
         self.mlp.c_fc, self.mlp.c_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
     def forward(self, x):
         B, T, C = x.shape
         qkv = self.attn.c_attn(self.ln_1(x)).view(B, T, 3, self.n_head, C // self.n_head)
@@ -88,10 +125,12 @@ class Block(nn.Module):
         x = x + self.attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
 
+
 class LMHeadLoss(torch.autograd.Function):
     """Mean cross-entropy of the logits x @ w.T and its gradients, a chunk of rows at a time: the (tokens x vocab)
     logits never exist at once. Chunks: CPU 16 MB, under glibc's 32 MB mmap ceiling, so each reuses the last one's
     memory instead of faulting in fresh pages; GPU 1 GiB, big full-speed matmuls."""
+
     @staticmethod
     def forward(ctx, x, w, targets, vocab, grad):
         rows, loss = max(1, LOSS_CHUNK.get(x.device.type, LOSS_CHUNK["cuda"]) // len(w)), 0.0
@@ -107,12 +146,17 @@ class LMHeadLoss(torch.autograd.Function):
                 dx.copy_(p @ w)
                 ctx.dw += p.t() @ xs  # (under autocast: bf16 products, summed in fp32)
         return loss / len(x)
+
     @staticmethod
-    def backward(ctx, g):  # the chain rule; the mean's 1 / tokens here, in fp32 (in fp16 it would underflow)
+    def backward(
+        ctx, g
+    ):  # the chain rule; the mean's 1 / tokens here, in fp32 (in fp16 it would underflow)
         return ctx.dx * (g / len(ctx.dx)), ctx.dw * (g / len(ctx.dx)), None, None, None
+
 
 class GPT(nn.Module):
     """GPT-2: pre-LayerNorm decoder, learned positions, tied input and output embeddings."""
+
     def __init__(self, cfg):
         super().__init__()
         self.config, padded = cfg, 64 * math.ceil(cfg.vocab_size / 64)  # faster matmuls
@@ -126,7 +170,13 @@ class GPT(nn.Module):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() == 2:  # the residual projections (c_proj) scaled down by depth
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02)
+                nn.init.normal_(
+                    p,
+                    std=0.02 / math.sqrt(2 * cfg.n_layer)
+                    if name.endswith("c_proj.weight")
+                    else 0.02,
+                )
+
     def forward(self, idx, targets=None):
         """With targets: the mean cross-entropy. Without: the last position's logits."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
@@ -134,68 +184,113 @@ class GPT(nn.Module):
             x = block(x)
         x = self.ln_f(x if targets is not None else x[:, -1, :])  # no targets: the last position
         if targets is None:  # its logits over the real tokens (the padding ids are not tokens)
-            return self.lm_head(x)[:, :self.config.vocab_size].float()
-        return LMHeadLoss.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), self.config.vocab_size,
-                                torch.is_grad_enabled())  # the loss, never holding all the logits at once
+            return self.lm_head(x)[:, : self.config.vocab_size].float()
+        return LMHeadLoss.apply(
+            x.flatten(0, 1),
+            self.lm_head.weight,
+            targets.flatten(),
+            self.config.vocab_size,
+            torch.is_grad_enabled(),
+        )  # the loss, never holding all the logits at once
+
 
 def pretrained(init_from):
     """The model.safetensors behind --init-from (the Hub caches it in HF_HOME), its config."""
     path = os.path.join(init_from, "model.safetensors") if os.path.isdir(init_from) else init_from
     if init_from in HUB_MODELS:
         from huggingface_hub import hf_hub_download
+
         try:
             path = hf_hub_download(f"openai-community/{init_from}", "model.safetensors")
         except Exception as e:  # offline without a cached copy, proxy, ...
-            fail(f"cannot get openai-community/{init_from} ({type(e).__name__}). Run once with "
-                 "network (then it is cached in HF_HOME), or download it: --init-from PATH", 1)
+            fail(
+                f"cannot get openai-community/{init_from} ({type(e).__name__}). Run once with "
+                "network (then it is cached in HF_HOME), or download it: --init-from PATH",
+                1,
+            )
     if not os.path.isfile(path):
         fail(f"--init-from {init_from}: want scratch, gpt2 or a model.safetensors (or its dir)")
     with safe_open(path, "pt") as f:  # reads the header only
         shape = {k.removeprefix("transformer."): f.get_slice(k).get_shape() for k in f.keys()}
     (n_vocab, n_embd), n_layer = shape["wte.weight"], sum(k.endswith(".ln_1.weight") for k in shape)
-    config_json = os.path.join(os.path.dirname(path), "config.json")  # no shape says n_head: read it,
-    n_head = json.load(open(config_json))["n_head"] if os.path.isfile(config_json) else n_embd // 64  # or 64 wide
+    config_json = os.path.join(
+        os.path.dirname(path), "config.json"
+    )  # no shape says n_head: read it,
+    n_head = (
+        json.load(open(config_json))["n_head"] if os.path.isfile(config_json) else n_embd // 64
+    )  # or 64 wide
     return path, GPTConfig(n_layer, n_head, n_embd, shape["wpe.weight"][0], n_vocab)
+
 
 @torch.no_grad()
 def load_hf_weights(model, path):
     """Hugging Face GPT-2 weights in: Conv1D transposed, padding rows keep their init, no masks."""
     state = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
     wte = state.pop("wte.weight")
-    model.wte.weight[:len(wte)] = wte
-    state = {k: v.t() if k.endswith(CONV1D) else v for k, v in state.items()
-             if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    model.wte.weight[: len(wte)] = wte
+    state = {
+        k: v.t() if k.endswith(CONV1D) else v
+        for k, v in state.items()
+        if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) != {"wte.weight", "lm_head.weight"} or unexpected:
         fail(f"{path} does not fit GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}", 1)
 
+
 def export_hf(model, out_dir):
     """model.safetensors + config.json that transformers.GPT2LMHeadModel.from_pretrained reads."""
     c = model.config
-    state = {k: (v.t() if k.endswith(CONV1D) else v).contiguous().cpu()
-             for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    state["wte.weight"] = state["wte.weight"][:c.vocab_size].contiguous()
+    state = {
+        k: (v.t() if k.endswith(CONV1D) else v).contiguous().cpu()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
+    state["wte.weight"] = state["wte.weight"][: c.vocab_size].contiguous()
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
-                   "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-                   "bos_token_id": c.vocab_size - 1, "eos_token_id": c.vocab_size - 1}, f)  # <|endoftext|>
+        json.dump(
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": c.vocab_size,
+                "n_positions": c.block_size,
+                "n_embd": c.n_embd,
+                "n_layer": c.n_layer,
+                "n_head": c.n_head,
+                "bos_token_id": c.vocab_size - 1,
+                "eos_token_id": c.vocab_size - 1,
+            },
+            f,
+        )  # <|endoftext|>
+
 
 def load_tokenizer(name):
     if name == "bytes":  # 256 byte tokens + <|endoftext|>, GPT-2's pre-tokenizer, no merges
         from tiktoken_ext.openai_public import r50k_pat_str
-        return tiktoken.Encoding(name="bytes", pat_str=r50k_pat_str, special_tokens={"<|endoftext|>": 256},
-                                 mergeable_ranks={bytes([b]): b for b in range(256)})
+
+        return tiktoken.Encoding(
+            name="bytes",
+            pat_str=r50k_pat_str,
+            special_tokens={"<|endoftext|>": 256},
+            mergeable_ranks={bytes([b]): b for b in range(256)},
+        )
     try:
         return tiktoken.get_encoding("gpt2")  # 2 files, cached in TIKTOKEN_CACHE_DIR once fetched
     except Exception as e:
-        fail(f"cannot load tiktoken's gpt2 files ({type(e).__name__}). Offline: set "
-             "TIKTOKEN_CACHE_DIR to a filled cache, or use --tokenizer bytes", code=1)
+        fail(
+            f"cannot load tiktoken's gpt2 files ({type(e).__name__}). Offline: set "
+            "TIKTOKEN_CACHE_DIR to a filled cache, or use --tokenizer bytes",
+            code=1,
+        )
+
 
 def prepare(args, world_size):
     """Once per job (spawn parent, or torchrun's rank 0): config, weights, resume, tokens."""
-    init, cfg = pretrained(args.init_from) if args.init_from != "scratch" else (None, PRESETS[args.preset])
+    init, cfg = (
+        pretrained(args.init_from) if args.init_from != "scratch" else (None, PRESETS[args.preset])
+    )
     if not os.path.isfile(args.text):
         fail(f"--text {args.text} is not a file")
     enc, source = load_tokenizer(args.tokenizer), os.path.basename(args.text)
@@ -208,25 +303,43 @@ def prepare(args, world_size):
     resume = os.path.join(args.checkpoint_dir, "gpt2.pt") if args.resume == "auto" else args.resume
     with open(args.text, encoding="utf-8", errors="replace") as f:
         tokens = torch.tensor(enc.encode_ordinary(f.read()), dtype=torch.long)
-    train, val = tokens[:len(tokens) - len(tokens) // 10], tokens[len(tokens) - len(tokens) // 10:]  # last 10%
+    train, val = (
+        tokens[: len(tokens) - len(tokens) // 10],
+        tokens[len(tokens) - len(tokens) // 10 :],
+    )  # last 10%
     per_rank = math.ceil(len(TokenWindows(train, args.max_length, args.max_length)) / world_size)
     if min(len(train), len(val)) <= args.max_length or per_rank < args.batch_size:
-        fail(f"{source}: {len(train)} training and {len(val)} validation tokens are too few for {world_size} "
-             f"ranks x {args.batch_size} windows of {args.max_length}: lower --max-length or --batch-size")
+        fail(
+            f"{source}: {len(train)} training and {len(val)} validation tokens are too few for {world_size} "
+            f"ranks x {args.batch_size} windows of {args.max_length}: lower --max-length or --batch-size"
+        )
     resume = None if args.resume == "auto" and not os.path.isfile(resume) else resume
-    return {"train": train, "val": val, "tokenizer": args.tokenizer, "source": source, "resume": resume,
-            "config": cfg._asdict(), "init": init, "max_length": args.max_length}
+    return {
+        "train": train,
+        "val": val,
+        "tokenizer": args.tokenizer,
+        "source": source,
+        "resume": resume,
+        "config": cfg._asdict(),
+        "init": init,
+        "max_length": args.max_length,
+    }
+
 
 class TokenWindows(Dataset):
     """Window i starts at i * stride; its targets are its inputs shifted left by one token."""
+
     def __init__(self, tokens, max_length, stride):
         self.tokens, self.max_length = tokens, max_length
         self.starts = range(0, len(tokens) - max_length, stride)  # start + max_length < len
+
     def __len__(self):
         return len(self.starts)
+
     def __getitem__(self, i):
-        chunk = self.tokens[self.starts[i]:self.starts[i] + self.max_length + 1]
+        chunk = self.tokens[self.starts[i] : self.starts[i] + self.max_length + 1]
         return chunk[:-1], chunk[1:]
+
 
 def build_loaders(train_set, val_set, rank, world, batch_size, seed, pin=False):
     # DDP: the sampler gives every rank as many windows; validation: windows r, r+W, ... (exact)
@@ -235,12 +348,16 @@ def build_loaders(train_set, val_set, rank, world, batch_size, seed, pin=False):
     val_shard = Subset(val_set, range(rank, len(val_set), world))
     return train, sampler, DataLoader(val_shard, batch_size, pin_memory=pin)
 
+
 def batches(loader, sampler, epoch=0, skip=0):
     """Endless (epoch, inputs, targets), from batch `skip` of `epoch` on (a resumed run)."""
     while True:
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats epoch 0's order
-        yield from ((epoch, x, y) for x, y in itertools.islice(loader, skip, None))  # a resumed epoch: from skip
+        yield from (
+            (epoch, x, y) for x, y in itertools.islice(loader, skip, None)
+        )  # a resumed epoch: from skip
         epoch, skip = epoch + 1, 0
+
 
 def lr_at(step, args, total_steps):
     """Linear warm-up to --lr, then cosine decay to lr / 10 at the last step."""
@@ -248,6 +365,7 @@ def lr_at(step, args, total_steps):
         return args.lr * (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps)
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
 
 def build(args, ddp, data):
     """Model (scratch, pretrained or resumed) in DDP, AdamW, AMP, GradScaler (fp16), state."""
@@ -262,21 +380,31 @@ def build(args, ddp, data):
         local = data["init"] if os.path.isfile(data["init"]) else pretrained(args.init_from)[0]
         load_hf_weights(model, local)
     model.to(ddp.device)
-    decay = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(decay, lr=args.lr, betas=(0.9, 0.95), fused=True)  # one kernel, CPU too
+    decay = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        decay, lr=args.lr, betas=(0.9, 0.95), fused=True
+    )  # one kernel, CPU too
     scaler = torch.amp.GradScaler(ddp.device.type, enabled=amp == "fp16")
     state = {"step": 0, "val_losses": []}
     if data["resume"]:  # every rank, before the DDP wrap; read on the CPU, copied into place
-        state = load_checkpoint(data["resume"], "cpu", model=model, optimizer=optimizer, scaler=scaler)
+        state = load_checkpoint(
+            data["resume"], "cpu", model=model, optimizer=optimizer, scaler=scaler
+        )
         print0(f"resume: {data['resume']} at step {state['step']}")
     # DDP: all-reduce gradient buckets during backward (.grads are views into them); 1 process: nothing to reduce
-    ddp_model = DDP(model, device_ids=[ddp.device.index] if cuda else None,
-                    gradient_as_bucket_view=True) if ddp.world_size > 1 else model
+    ddp_model = (
+        DDP(model, device_ids=[ddp.device.index] if cuda else None, gradient_as_bucket_view=True)
+        if ddp.world_size > 1
+        else model
+    )
     if args.compile:
         # DDP: compile the wrapper: Dynamo splits the graph at the buckets, so all-reduce still overlaps backward
         ddp_model = torch.compile(ddp_model)
     return model, ddp_model, optimizer, scaler, amp, state
+
 
 def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast):
     """One optimizer step over the micro-batches; returns their loss (left on the device)."""
@@ -296,6 +424,7 @@ def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast)
     optimizer.zero_grad(set_to_none=no_sync is None)
     return total
 
+
 @torch.no_grad()
 def evaluate(model, val_loader, ddp, autocast):
     """Exact loss per token (sums all-reduced), on the bare model: no DDP hooks, no deadlock."""
@@ -309,6 +438,7 @@ def evaluate(model, val_loader, ddp, autocast):
     model.train()
     return (totals[0] / totals[1]).item()
 
+
 def train(args, ddp, data):
     """Train on this rank; returns the bare model and the results."""
     model, ddp_model, optimizer, scaler, amp, state = build(args, ddp, data)
@@ -316,17 +446,30 @@ def train(args, ddp, data):
     autocast = torch.autocast(ddp.device.type, dtype=dtype, enabled=dtype is not None)
     L, cuda = data["max_length"], ddp.device.type == "cuda"
     train_set = TokenWindows(data["train"], L, L)
-    train_loader, sampler, val_loader = build_loaders(train_set, TokenWindows(data["val"], L, L), ddp.rank,
-                                                      ddp.world_size, args.batch_size, args.seed, cuda)
+    train_loader, sampler, val_loader = build_loaders(
+        train_set,
+        TokenWindows(data["val"], L, L),
+        ddp.rank,
+        ddp.world_size,
+        args.batch_size,
+        args.seed,
+        cuda,
+    )
     per_epoch = len(train_loader) // args.accum_steps
     schedule = args.epochs * per_epoch  # the lr schedule's length; --max-steps only stops early
-    total, step, val_losses = min(schedule, args.max_steps or schedule), state["step"], state["val_losses"]
+    total, step, val_losses = (
+        min(schedule, args.max_steps or schedule),
+        state["step"],
+        state["val_losses"],
+    )
     stream = batches(train_loader, sampler, *divmod(step * args.accum_steps, len(train_loader)))
     tokens_per_step = args.batch_size * L * args.accum_steps * ddp.world_size
-    print0(f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} | model "
-           f"{sum(map(torch.numel, model.parameters())) / 1e6:.1f}M params | world {ddp.world_size} | backend "
-           f"{ddp.backend} | device {ddp.device.type} | amp {amp} | compile {args.compile} | batch {args.batch_size}x"
-           f"{L} tokens/rank x {args.accum_steps} accum = {tokens_per_step} tokens/step | steps {total}")
+    print0(
+        f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} | model "
+        f"{sum(map(torch.numel, model.parameters())) / 1e6:.1f}M params | world {ddp.world_size} | backend "
+        f"{ddp.backend} | device {ddp.device.type} | amp {amp} | compile {args.compile} | batch {args.batch_size}x"
+        f"{L} tokens/rank x {args.accum_steps} accum = {tokens_per_step} tokens/step | steps {total}"
+    )
     if step == 0:
         val_losses.append([0, evaluate(model, val_loader, ddp, autocast)])
         print0(f"step 0/{total} | val_loss {val_losses[-1][1]:.4f}")
@@ -337,8 +480,13 @@ def train(args, ddp, data):
         for group in optimizer.param_groups:
             group["lr"] = lr = lr_at(step, args, schedule)
         micro = [next(stream) for _ in range(args.accum_steps)]
-        epoch, micro = micro[0][0], [(x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True))
-                                     for _, x, y in micro]
+        epoch, micro = (
+            micro[0][0],
+            [
+                (x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True))
+                for _, x, y in micro
+            ],
+        )
         loss_sum += train_step(ddp_model, optimizer, scaler, micro, args.clip_grad, autocast)
         step += 1
         if step % args.log_every == 0 or step == total:
@@ -346,21 +494,37 @@ def train(args, ddp, data):
             dist.all_reduce(loss_sum)  # DDP: for the log line only (gloo has no AVG: sum, divide)
             rate = n * tokens_per_step / (now - t_log)
             mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0
-            print0(f"epoch {epoch + 1} | step {step}/{total} | loss {loss_sum.item() / n / ddp.world_size:.4f} "
-                   f"| lr {lr:.2e} | {rate:.0f} tokens/s{f' | mem {mem:.1f}GiB' if mem else ''}"
-                   f" | eta {(total - step) * (now - t_start) / (step - start):.0f}s")
+            print0(
+                f"epoch {epoch + 1} | step {step}/{total} | loss {loss_sum.item() / n / ddp.world_size:.4f} "
+                f"| lr {lr:.2e} | {rate:.0f} tokens/s{f' | mem {mem:.1f}GiB' if mem else ''}"
+                f" | eta {(total - step) * (now - t_start) / (step - start):.0f}s"
+            )
             t_log, logged, loss_sum = now, step, torch.zeros((), device=ddp.device)
         if step % (args.save_every or per_epoch) == 0 or step == total:
             t_pause = time.perf_counter()
             val_losses.append([step, evaluate(model, val_loader, ddp, autocast)])
             print0(f"epoch {epoch + 1} | step {step}/{total} | val_loss {val_losses[-1][1]:.4f}")
             # DDP: save the bare model (no 'module.' prefix); every rank calls, rank 0 writes.
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                             "scaler": scaler.state_dict(), "val_losses": val_losses, "config": data["config"],
-                             "tokenizer": data["tokenizer"]}, os.path.join(args.checkpoint_dir, "gpt2.pt"))
+            save_checkpoint(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "scaler": scaler.state_dict(),
+                    "val_losses": val_losses,
+                    "config": data["config"],
+                    "tokenizer": data["tokenizer"],
+                },
+                os.path.join(args.checkpoint_dir, "gpt2.pt"),
+            )
             t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
-    return model, {"steps": step, "tokens_per_s": rate, "val_losses": val_losses,
-                   "time": time.perf_counter() - t_start}
+    return model, {
+        "steps": step,
+        "tokens_per_s": rate,
+        "val_losses": val_losses,
+        "time": time.perf_counter() - t_start,
+    }
+
 
 def worker(rank, world_size, args, data):
     """One process. mp.spawn passes rank, world size, data; under torchrun rank 0 prepares them."""
@@ -377,9 +541,13 @@ def worker(rank, world_size, args, data):
         return
     if args.export_hf:
         export_hf(model, args.export_hf)
-    print(f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} | backend "
-          f"{ddp.backend} | device {ddp.device.type} | steps {res['steps']} | val_loss {res['val_losses'][-1][1]:.4f}"
-          f" | {res['tokens_per_s']:.0f} tokens/s | time {res['time']:.1f}s", flush=True)
+    print(
+        f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} | backend "
+        f"{ddp.backend} | device {ddp.device.type} | steps {res['steps']} | val_loss {res['val_losses'][-1][1]:.4f}"
+        f" | {res['tokens_per_s']:.0f} tokens/s | time {res['time']:.1f}s",
+        flush=True,
+    )
+
 
 def spawn_workers(args):
     """mp.spawn launch: prepare once here, pick the rendezvous port, start one worker per rank."""
@@ -393,8 +561,13 @@ def spawn_workers(args):
     except mp.ProcessRaisedException as e:  # a Python exception: its last line, not 40 lines
         fail(f"rank {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}", code=1)
     except mp.ProcessExitedException as e:  # exit 1 or 2: it left through fail(), line printed
-        sys.exit(e.exit_code) if e.exit_code in (1, 2) else fail(f"rank {e.error_index} died ({e.signal_name})", 1)
+        sys.exit(e.exit_code) if e.exit_code in (1, 2) else fail(
+            f"rank {e.error_index} died ({e.signal_name})", 1
+        )
+
 
 if __name__ == "__main__":
     args = parse_args()
-    worker(None, None, args, None) if "RANK" in os.environ else spawn_workers(args)  # torchrun or not
+    worker(None, None, args, None) if "RANK" in os.environ else spawn_workers(
+        args
+    )  # torchrun or not

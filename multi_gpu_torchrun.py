@@ -19,6 +19,7 @@ In the style of pytorch/examples distributed/ddp-tutorial-series/multigpu_torchr
 task that learns (the tutorial's loss is always zero) and with the restart actually exercised.
 The DDP- and restart-specific lines are marked `# DDP:`.
 """
+
 import argparse
 import datetime
 import glob
@@ -42,29 +43,57 @@ from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Lesson 3: DDP training that saves snapshots and resumes after torchrun "
-                    "restarts a failed worker. Launch with: torchrun --standalone "
-                    "--nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py --epochs 10")
+        "restarts a failed worker. Launch with: torchrun --standalone "
+        "--nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py --epochs 10"
+    )
     p.add_argument("--epochs", type=int, default=10, help="epochs to train in all (default 10)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="samples per step PER RANK; the global batch is this x world size (default 32)")
-    p.add_argument("--checkpoint-dir", default="./checkpoints",
-                   help="holds snapshot.pt: resumed from whenever it exists (that is how restarted "
-                        "workers find their place), saved to as training goes. On several nodes it "
-                        "must be a file system every node sees (default ./checkpoints)")
-    p.add_argument("--save-every", type=int, default=0,
-                   help="also snapshot every N optimizer steps (0 = only at epoch ends)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="samples per step PER RANK; the global batch is this x world size (default 32)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default="./checkpoints",
+        help="holds snapshot.pt: resumed from whenever it exists (that is how restarted "
+        "workers find their place), saved to as training goes. On several nodes it "
+        "must be a file system every node sees (default ./checkpoints)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="also snapshot every N optimizer steps (0 = only at epoch ends)",
+    )
     p.add_argument("--samples", type=int, default=4096, help="size of the generated training set")
     p.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the data, the init and the shuffles")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                   help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
-    p.add_argument("--fail-at-step", type=int, default=0,
-                   help="demo: --fail-rank kills itself with SIGKILL after step N, once per "
-                        "checkpoint dir (a marker file snapshot.pt.failed remembers it); 0 = never")
-    p.add_argument("--fail-rank", type=int, default=1, help="global rank that --fail-at-step kills (default 1)")
-    p.add_argument("--step-delay", type=float, default=0.0,
-                   help="demo: sleep this many seconds after each step, to leave time to kill a worker by hand")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for the data, the init and the shuffles"
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
+    )
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=0,
+        help="demo: --fail-rank kills itself with SIGKILL after step N, once per "
+        "checkpoint dir (a marker file snapshot.pt.failed remembers it); 0 = never",
+    )
+    p.add_argument(
+        "--fail-rank", type=int, default=1, help="global rank that --fail-at-step kills (default 1)"
+    )
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="demo: sleep this many seconds after each step, to leave time to kill a worker by hand",
+    )
     # Under torchrun every rank parses the arguments: only rank 0 prints the mistake, once.
     p.error = lambda message: fail(message) if os.environ.get("RANK", "0") == "0" else sys.exit(2)
     args = p.parse_args(argv)
@@ -88,7 +117,7 @@ def make_dataset(n, seed, dim=20):
     a little noise; the student must find the function. Same on every rank (own generator)."""
     g = torch.Generator().manual_seed(seed + 3)
     x = torch.randn(n, dim, generator=g)
-    w1, w2 = torch.randn(dim, 64, generator=g) / dim ** 0.5, torch.randn(64, 1, generator=g)
+    w1, w2 = torch.randn(dim, 64, generator=g) / dim**0.5, torch.randn(64, 1, generator=g)
     y = torch.tanh(x @ w1) @ w2
     y = (y - y.mean()) / y.std() + 0.05 * torch.randn(n, 1, generator=g)
     return TensorDataset(x, y)
@@ -96,8 +125,14 @@ def make_dataset(n, seed, dim=20):
 
 def make_model(hidden, dim=20):
     # Dropout draws random numbers every step: the snapshot must hold each rank's RNG state.
-    return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Dropout(0.1),
-                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    return nn.Sequential(
+        nn.Linear(dim, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 1),
+    )
 
 
 def rng_state(device):
@@ -120,8 +155,9 @@ class Trainer:
         model = make_model(args.hidden).to(ddp.device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
         # DDP: the same shuffle seed on every rank and every restart; set_epoch() varies it by epoch.
-        self.sampler = DistributedSampler(train_set, num_replicas=ddp.world_size, rank=ddp.rank,
-                                          shuffle=True, seed=args.seed)
+        self.sampler = DistributedSampler(
+            train_set, num_replicas=ddp.world_size, rank=ddp.rank, shuffle=True, seed=args.seed
+        )
         self.steps_per_epoch = -(-len(self.sampler) // args.batch_size)
         self.total_steps = args.epochs * self.steps_per_epoch
         self.epoch = self.batch = 0
@@ -153,26 +189,39 @@ class Trainer:
             if self.on_gpu and "cuda" in snap["rng"][ddp.rank]:
                 torch.cuda.set_rng_state(snap["rng"][ddp.rank]["cuda"].cpu(), ddp.device)
         else:  # elastic resize: shards and steps differ, so restart the epoch with fresh seeds
-            print0(f"warning: snapshot made with world {snap['world_size']} x batch "
-                   f"{snap['batch_size']}, now {ddp.world_size} x {a.batch_size}: epoch "
-                   f"{self.epoch + 1} restarts from its first batch and the RNG is reseeded")
+            print0(
+                f"warning: snapshot made with world {snap['world_size']} x batch "
+                f"{snap['batch_size']}, now {ddp.world_size} x {a.batch_size}: epoch "
+                f"{self.epoch + 1} restarts from its first batch and the RNG is reseeded"
+            )
             self.batch = 0
             set_seed(a.seed + 1000 * (self.restart + 1), ddp.rank)
-        print0(f"resumed: {a.snapshot} | epoch {self.epoch + 1}/{a.epochs} | batch "
-               f"{self.batch}/{self.steps_per_epoch} | step {self.step}/{self.total_steps} | "
-               f"restart {self.restart}/{self.max_restarts}")
+        print0(
+            f"resumed: {a.snapshot} | epoch {self.epoch + 1}/{a.epochs} | batch "
+            f"{self.batch}/{self.steps_per_epoch} | step {self.step}/{self.total_steps} | "
+            f"restart {self.restart}/{self.max_restarts}"
+        )
 
     def _save_snapshot(self):
         # DDP: gather every rank's RNG state, so each can take its own back after a restart.
         rngs = [None] * self.ddp.world_size
         dist.all_gather_object(rngs, rng_state(self.ddp.device))
-        snapshot = {"model": self.model.module.state_dict(),  # DDP: the bare model, no 'module.'
-                    "optimizer": self.optimizer.state_dict(), "epoch": self.epoch,
-                    "batch": self.batch, "step": self.step, "rng": rngs, "history": self.history,
-                    "world_size": self.ddp.world_size, "batch_size": self.args.batch_size}
+        snapshot = {
+            "model": self.model.module.state_dict(),  # DDP: the bare model, no 'module.'
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "step": self.step,
+            "rng": rngs,
+            "history": self.history,
+            "world_size": self.ddp.world_size,
+            "batch_size": self.args.batch_size,
+        }
         save_checkpoint(snapshot, self.args.snapshot)  # DDP: every rank calls; rank 0 writes
-        print0(f"saved: {self.args.snapshot} | epoch {self.epoch + 1 if self.batch else self.epoch}"
-               f"/{self.args.epochs} | step {self.step}/{self.total_steps}")
+        print0(
+            f"saved: {self.args.snapshot} | epoch {self.epoch + 1 if self.batch else self.epoch}"
+            f"/{self.args.epochs} | step {self.step}/{self.total_steps}"
+        )
 
     def _maybe_fail(self):
         """--fail-at-step: die like a real crash would (SIGKILL: no exception, no cleanup)."""
@@ -184,7 +233,9 @@ class Trainer:
             f.write(f"rank {a.fail_rank} killed itself at step {self.step}\n")
             f.flush()
             os.fsync(f.fileno())
-        print(f"fail: rank {self.ddp.rank} | step {self.step} | SIGKILL (--fail-at-step)", flush=True)
+        print(
+            f"fail: rank {self.ddp.rank} | step {self.step} | SIGKILL (--fail-at-step)", flush=True
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _run_batch(self, x, y):
@@ -201,11 +252,16 @@ class Trainer:
         a, ddp = self.args, self.ddp
         self.sampler.set_epoch(self.epoch)  # DDP: this epoch's shuffle, identical after a restart
         # Resuming mid-epoch: skip the batches the snapshot already trained on.
-        order = list(self.sampler)[self.batch * a.batch_size:]
+        order = list(self.sampler)[self.batch * a.batch_size :]
         # Its own generator: each new DataLoader iterator draws a seed from the global RNG
         # otherwise, and a resumed run (new loader mid-epoch) would draw it one time too many.
-        loader = DataLoader(self.train_set, batch_size=a.batch_size, sampler=order,
-                            pin_memory=self.on_gpu, generator=torch.Generator())
+        loader = DataLoader(
+            self.train_set,
+            batch_size=a.batch_size,
+            sampler=order,
+            pin_memory=self.on_gpu,
+            generator=torch.Generator(),
+        )
         loss_sum, n = torch.zeros((), device=ddp.device), 0
         for x, y in loader:
             loss_sum += self._run_batch(x, y)  # stays on the device: no host sync per step
@@ -214,8 +270,9 @@ class Trainer:
             self._maybe_fail()
             if a.step_delay:
                 time.sleep(a.step_delay)
-            if (a.save_every and self.step % a.save_every == 0
-                    and self.batch < self.steps_per_epoch):  # the epoch's end saves anyway
+            if (
+                a.save_every and self.step % a.save_every == 0 and self.batch < self.steps_per_epoch
+            ):  # the epoch's end saves anyway
                 self._save_snapshot()
         self.epoch, self.batch = self.epoch + 1, 0
         totals = torch.stack([loss_sum, torch.tensor(float(n), device=ddp.device)])
@@ -232,9 +289,11 @@ class Trainer:
             self.history["losses"].append(loss)
             now = time.perf_counter()
             eta = (self.total_steps - self.step) * (now - t_start) / max(1, self.step - start_step)
-            print0(f"epoch {self.epoch}/{a.epochs} | step {self.step}/{self.total_steps} | "
-                   f"loss {loss:.4f} | {n * a.batch_size * self.ddp.world_size / (now - t0):.0f} samples/s"
-                   f" | eta {datetime.timedelta(seconds=round(eta))}")
+            print0(
+                f"epoch {self.epoch}/{a.epochs} | step {self.step}/{self.total_steps} | "
+                f"loss {loss:.4f} | {n * a.batch_size * self.ddp.world_size / (now - t0):.0f} samples/s"
+                f" | eta {datetime.timedelta(seconds=round(eta))}"
+            )
             self._save_snapshot()  # every epoch end: a restart loses at most one epoch
         return time.perf_counter() - t_start, self.step - start_step
 
@@ -244,34 +303,45 @@ def lost_peer(error):
     from inside backward; newer code raises dist.DistError.)"""
     text = str(error)
     return isinstance(error, dist.DistError) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL"))
+        s in text
+        for s in ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL")
+    )
 
 
 def main():
     args = parse_args()
     ddp = setup(args.backend)  # DDP: join the process group (a fresh one on every restart)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
-        print0("warning: torchrun --max-restarts is 0 (its default): if a worker dies the job "
-               "fails instead of resuming from the snapshot")
+        print0(
+            "warning: torchrun --max-restarts is 0 (its default): if a worker dies the job "
+            "fails instead of resuming from the snapshot"
+        )
     trainer = Trainer(args, ddp, make_dataset(args.samples, args.seed))
-    print0(f"start: samples {args.samples} | world {ddp.world_size} | backend {ddp.backend} | device "
-           f"{ddp.device.type} | batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} global"
-           f" | steps {trainer.step}/{trainer.total_steps} | restart {trainer.restart}/{trainer.max_restarts}")
+    print0(
+        f"start: samples {args.samples} | world {ddp.world_size} | backend {ddp.backend} | device "
+        f"{ddp.device.type} | batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} global"
+        f" | steps {trainer.step}/{trainer.total_steps} | restart {trainer.restart}/{trainer.max_restarts}"
+    )
     try:
         seconds, steps = trainer.train()
     except RuntimeError as e:  # another rank died: this one cannot go on alone
         if not lost_peer(e):
             raise
         reason = re.sub(r"^\[[^]]*\] *", "", str(e)).split(". ")[0][:120]  # drop gloo's file:line
-        fail(f"rank {ddp.rank} lost the other ranks at step {trainer.step} "
-             f"({reason}). torchrun restarts all workers if restarts are left "
-             f"({trainer.restart} of --max-restarts={trainer.max_restarts} used); they resume from "
-             f"{args.snapshot}", code=1)
+        fail(
+            f"rank {ddp.rank} lost the other ranks at step {trainer.step} "
+            f"({reason}). torchrun restarts all workers if restarts are left "
+            f"({trainer.restart} of --max-restarts={trainer.max_restarts} used); they resume from "
+            f"{args.snapshot}",
+            code=1,
+        )
     losses = trainer.history["losses"]
-    print0(f"done: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
-           f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1] if losses else float('nan'):.4f} "
-           f"(first epoch {losses[0] if losses else float('nan'):.4f}) | restarts {trainer.restart} | "
-           f"steps this attempt {steps} | time {seconds:.1f}s")
+    print0(
+        f"done: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
+        f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1] if losses else float('nan'):.4f} "
+        f"(first epoch {losses[0] if losses else float('nan'):.4f}) | restarts {trainer.restart} | "
+        f"steps this attempt {steps} | time {seconds:.1f}s"
+    )
     del trainer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
     cleanup()
 

@@ -26,6 +26,7 @@ filesystem all nodes see (NFS, Lustre, GPFS...). If each node only has its own l
 that all ranks resume from the same epoch, and stops with an error if not.
 The DDP-specific lines are marked `# DDP:`.
 """
+
 import argparse
 import hashlib
 import json
@@ -50,40 +51,83 @@ FEATURES, CLASSES = 32, 8
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description="Lesson 4: DDP across nodes; rank table, training with "
-                                "snapshots. Launch with torchrun --nnodes=N, srun, or launch_ddp.sh")
+    p = argparse.ArgumentParser(
+        description="Lesson 4: DDP across nodes; rank table, training with "
+        "snapshots. Launch with torchrun --nnodes=N, srun, or launch_ddp.sh"
+    )
     p.add_argument("--epochs", type=int, default=5, help="passes over the training set (default 5)")
-    p.add_argument("--max-steps", type=int, default=0,
-                   help="stop after this many optimizer steps in this run (0 = no cap); quick checks")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="samples per step PER RANK; the global batch is this x world size (default 64)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop after this many optimizer steps in this run (0 = no cap); quick checks",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="samples per step PER RANK; the global batch is this x world size (default 64)",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed for init, data order and generated data")
-    p.add_argument("--samples", type=int, default=32768,
-                   help="size of the generated training set (default 32768; test set is 1/4 of it)")
-    p.add_argument("--checkpoint-dir", default="./checkpoints",
-                   help=f"where {SNAPSHOT} is saved after every epoch. Must be on a filesystem shared "
-                        "by all nodes, unless --snapshot-per-node (default ./checkpoints)")
-    p.add_argument("--resume", default=None, metavar="PATH|auto",
-                   help=f"auto: continue from CHECKPOINT_DIR/{SNAPSHOT} if it exists (what a "
-                        "restarted torchrun worker needs); or a snapshot PATH (default: start fresh)")
-    p.add_argument("--snapshot-per-node", action="store_true",
-                   help="local rank 0 of EVERY node writes the snapshot (for node-local disks, "
-                        "e.g. --checkpoint-dir /tmp/ckpt); default: global rank 0 only")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                   help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for init, data order and generated data"
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=32768,
+        help="size of the generated training set (default 32768; test set is 1/4 of it)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default="./checkpoints",
+        help=f"where {SNAPSHOT} is saved after every epoch. Must be on a filesystem shared "
+        "by all nodes, unless --snapshot-per-node (default ./checkpoints)",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH|auto",
+        help=f"auto: continue from CHECKPOINT_DIR/{SNAPSHOT} if it exists (what a "
+        "restarted torchrun worker needs); or a snapshot PATH (default: start fresh)",
+    )
+    p.add_argument(
+        "--snapshot-per-node",
+        action="store_true",
+        help="local rank 0 of EVERY node writes the snapshot (for node-local disks, "
+        "e.g. --checkpoint-dir /tmp/ckpt); default: global rank 0 only",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
+    )
     p.add_argument("--log-every", type=int, default=50, help="steps between log lines (default 50)")
-    p.add_argument("--report", default=None, metavar="PATH",
-                   help="rank 0 writes a JSON file with the rank table and every rank's parameter "
-                        "checksum at the end (used by the tests; handy to compare runs)")
-    p.add_argument("--crash-rank", type=int, default=None, metavar="R",
-                   help="testing failure handling: global rank R dies (SIGKILL) like a crashed "
-                        "process; the launcher must then stop or restart the whole job")
-    p.add_argument("--crash-at", default="1", metavar="start|STEP",
-                   help="with --crash-rank: die at start-up, before joining the process group (the "
-                        "others then wait for it until the timeout unless the launcher kills them), "
-                        "or after optimizer step STEP (default 1) of a run that did not resume, so "
-                        "a restarted run that resumes goes on")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="PATH",
+        help="rank 0 writes a JSON file with the rank table and every rank's parameter "
+        "checksum at the end (used by the tests; handy to compare runs)",
+    )
+    p.add_argument(
+        "--crash-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="testing failure handling: global rank R dies (SIGKILL) like a crashed "
+        "process; the launcher must then stop or restart the whole job",
+    )
+    p.add_argument(
+        "--crash-at",
+        default="1",
+        metavar="start|STEP",
+        help="with --crash-rank: die at start-up, before joining the process group (the "
+        "others then wait for it until the timeout unless the launcher kills them), "
+        "or after optimizer step STEP (default 1) of a run that did not resume, so "
+        "a restarted run that resumes goes on",
+    )
     args = p.parse_args()
     for name in ("epochs", "batch_size", "log_every", "samples"):
         if getattr(args, name) < 1:
@@ -106,12 +150,14 @@ def make_data(seed, n_train):
     def make(n):
         x = torch.randn(n, FEATURES, generator=g)
         return TensorDataset(x, (x @ teacher).argmax(1))
+
     return make(n_train), make(max(1, n_train // 4))
 
 
 def make_model():
-    return nn.Sequential(nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                         nn.Linear(128, CLASSES))
+    return nn.Sequential(
+        nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, CLASSES)
+    )
 
 
 def params_sha256(state_dict):
@@ -124,9 +170,15 @@ def params_sha256(state_dict):
 
 def rank_table(ddp):
     """Every rank reports where it runs; rank 0 gets the list of all of them."""
-    me = {"rank": ddp.rank, "node": ddp.node_rank, "local_rank": ddp.local_rank,
-          "host": socket.gethostname(), "slurm_node": os.environ.get("SLURMD_NODENAME", "-"),
-          "device": str(ddp.device), "pid": os.getpid()}
+    me = {
+        "rank": ddp.rank,
+        "node": ddp.node_rank,
+        "local_rank": ddp.local_rank,
+        "host": socket.gethostname(),
+        "slurm_node": os.environ.get("SLURMD_NODENAME", "-"),
+        "device": str(ddp.device),
+        "pid": os.getpid(),
+    }
     table = [None] * ddp.world_size
     dist.all_gather_object(table, me)  # DDP: any picklable object, gathered from every rank
     return table
@@ -135,13 +187,17 @@ def rank_table(ddp):
 def print_table(table, ddp):
     cols = list(table[0])
     width = {c: max(len(c), *(len(str(r[c])) for r in table)) for c in cols}
-    print0(f"ranks: world {ddp.world_size} | nodes {len({r['node'] for r in table})} | "
-           f"launcher {ddp.launcher}")
+    print0(
+        f"ranks: world {ddp.world_size} | nodes {len({r['node'] for r in table})} | "
+        f"launcher {ddp.launcher}"
+    )
     print0("  " + "  ".join(c.ljust(width[c]) for c in cols).rstrip())
     for r in table:
         print0("  " + "  ".join(str(r[c]).ljust(width[c]) for c in cols).rstrip())
     seen = {}
-    for r in table:  # two ranks on one GPU: usually a wrong --nproc_per_node or CUDA_VISIBLE_DEVICES
+    for (
+        r
+    ) in table:  # two ranks on one GPU: usually a wrong --nproc_per_node or CUDA_VISIBLE_DEVICES
         key = (r["host"], r["slurm_node"], r["device"])
         if r["device"].startswith("cuda") and key in seen:
             print0(f"warning: ranks {seen[key]} and {r['rank']} share {r['device']} on {r['host']}")
@@ -149,7 +205,11 @@ def print_table(table, ddp):
 
 
 def snapshot_path(args):
-    return os.path.join(args.checkpoint_dir, SNAPSHOT) if args.resume in (None, "auto") else args.resume
+    return (
+        os.path.join(args.checkpoint_dir, SNAPSHOT)
+        if args.resume in (None, "auto")
+        else args.resume
+    )
 
 
 def resume(args, ddp, model, optimizer):
@@ -164,12 +224,17 @@ def resume(args, ddp, model, optimizer):
     dist.all_gather_object(found, (epoch, socket.gethostname(), ddp.node_rank))  # DDP: compare
     if len({e for e, _, _ in found}) > 1:
         cleanup()
-        detail = "; ".join(f"rank {r} (node {n}, {h}): epoch {e}" for r, (e, h, n) in enumerate(found))
+        detail = "; ".join(
+            f"rank {r} (node {n}, {h}): epoch {e}" for r, (e, h, n) in enumerate(found)
+        )
         if ddp.is_main:
-            fail(f"ranks would resume from different epochs ({detail}) from {path}. Without "
-                 "--snapshot-per-node the checkpoint dir must be on a filesystem shared by all nodes; "
-                 "with it, every node needs its own copy. Copy one snapshot to every node, or delete "
-                 "them to start fresh", code=1)
+            fail(
+                f"ranks would resume from different epochs ({detail}) from {path}. Without "
+                "--snapshot-per-node the checkpoint dir must be on a filesystem shared by all nodes; "
+                "with it, every node needs its own copy. Copy one snapshot to every node, or delete "
+                "them to start fresh",
+                code=1,
+            )
         sys.exit(1)
     return epoch
 
@@ -185,7 +250,9 @@ def evaluate(model, test_set, ddp, batch_size):
     for x, y in DataLoader(shard, batch_size=4 * batch_size):
         x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
         logits = model(x)
-        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum()])
+        sums += torch.stack(
+            [F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum()]
+        )
     totals = torch.cat([sums, torch.tensor([float(len(shard))], device=ddp.device)])
     dist.all_reduce(totals)  # DDP: sum the shards' counts
     model.train()
@@ -197,10 +264,17 @@ def write_report(args, ddp, table, model, start_epoch, epoch, val_acc):
     shas = [None] * ddp.world_size
     dist.all_gather_object(shas, params_sha256(model.module.state_dict()))  # DDP: every replica
     if ddp.is_main and args.report:
-        report = {"world_size": ddp.world_size, "nodes": len({r["node"] for r in table}),
-                  "launcher": ddp.launcher, "backend": ddp.backend, "ranks": table,
-                  "params_sha256": shas, "start_epoch": start_epoch, "epoch": epoch,
-                  "val_acc": val_acc}
+        report = {
+            "world_size": ddp.world_size,
+            "nodes": len({r["node"] for r in table}),
+            "launcher": ddp.launcher,
+            "backend": ddp.backend,
+            "ranks": table,
+            "params_sha256": shas,
+            "start_epoch": start_epoch,
+            "epoch": epoch,
+            "val_acc": val_acc,
+        }
         tmp = f"{args.report}.tmp"
         with open(tmp, "w") as f:
             json.dump(report, f, indent=1)
@@ -228,8 +302,10 @@ def train_epoch(args, ddp, model, optimizer, loader, epoch, step, resumed):
             crash(ddp.rank)
         if step % args.log_every == 0:
             now = time.perf_counter()  # .item() waits for the GPU: once per log line only
-            print0(f"epoch {epoch + 1}/{args.epochs} | step {step} | loss {loss_sum.item() / n:.4f} | "
-                   f"{n * args.batch_size * ddp.world_size / (now - t_log):.0f} samples/s")
+            print0(
+                f"epoch {epoch + 1}/{args.epochs} | step {step} | loss {loss_sum.item() / n:.4f} | "
+                f"{n * args.batch_size * ddp.world_size / (now - t_log):.0f} samples/s"
+            )
             loss_sum, n, t_log = torch.zeros((), device=ddp.device), 0, now
         if step == args.max_steps:
             break
@@ -251,8 +327,9 @@ def main():
     train_set, test_set = make_data(args.seed, args.samples)
     on_gpu = ddp.device.type == "cuda"
     # DDP: the GLOBAL rank picks the shard: ranks on different nodes must not share data.
-    sampler = DistributedSampler(train_set, num_replicas=ddp.world_size, rank=ddp.rank,
-                                 shuffle=True, seed=args.seed)
+    sampler = DistributedSampler(
+        train_set, num_replicas=ddp.world_size, rank=ddp.rank, shuffle=True, seed=args.seed
+    )
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, pin_memory=on_gpu)
     model = make_model().to(ddp.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=on_gpu)
@@ -263,19 +340,30 @@ def main():
     # DDP: who writes the snapshot: one rank per node (node-local disks), or rank 0 (shared disk).
     writer = (ddp.local_rank == 0) if args.snapshot_per_node else ddp.is_main
     saver = "local rank 0 of each node" if args.snapshot_per_node else "rank 0"
-    print0(f"start: data generated | train {len(train_set)} | world {ddp.world_size} | backend "
-           f"{ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
-           f"{args.batch_size * ddp.world_size} global | epoch {start_epoch}/{args.epochs} | "
-           f"snapshot {snapshot_path(args)} by {saver}")
+    print0(
+        f"start: data generated | train {len(train_set)} | world {ddp.world_size} | backend "
+        f"{ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
+        f"{args.batch_size * ddp.world_size} global | epoch {start_epoch}/{args.epochs} | "
+        f"snapshot {snapshot_path(args)} by {saver}"
+    )
     step, t_start, done_epoch = 0, time.perf_counter(), start_epoch
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on every rank
         step = train_epoch(args, ddp, model, optimizer, loader, epoch, step, start_epoch > 0)
         val_loss, val_acc = evaluate(model.module, test_set, ddp, args.batch_size)
-        print0(f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {100 * val_acc:.2f}%")
+        print0(
+            f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | val_acc {100 * val_acc:.2f}%"
+        )
         # DDP: every rank calls it (barrier inside); rank 0, or local rank 0 per node, writes.
-        save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "epoch": epoch + 1}, snapshot_path(args), writer=writer)
+        save_checkpoint(
+            {
+                "model": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch": epoch + 1,
+            },
+            snapshot_path(args),
+            writer=writer,
+        )
         done_epoch = epoch + 1
         if step == args.max_steps:
             break
@@ -283,10 +371,12 @@ def main():
         val_loss, val_acc = evaluate(model.module, test_set, ddp, args.batch_size)
 
     same = write_report(args, ddp, table, model, start_epoch, done_epoch, val_acc)
-    print0(f"done: data generated | world {ddp.world_size} | nodes {len({r['node'] for r in table})} | "
-           f"backend {ddp.backend} | device {ddp.device.type} | epochs {start_epoch}->{done_epoch} | "
-           f"val_acc {100 * val_acc:.2f}% | replicas {'identical' if same else 'DIFFER'} | "
-           f"time {time.perf_counter() - t_start:.1f}s")
+    print0(
+        f"done: data generated | world {ddp.world_size} | nodes {len({r['node'] for r in table})} | "
+        f"backend {ddp.backend} | device {ddp.device.type} | epochs {start_epoch}->{done_epoch} | "
+        f"val_acc {100 * val_acc:.2f}% | replicas {'identical' if same else 'DIFFER'} | "
+        f"time {time.perf_counter() - t_start:.1f}s"
+    )
     del model, optimizer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
     cleanup()
     if not same:

@@ -11,6 +11,7 @@
 Runs alternate (ours, theirs, theirs, ours, ...) so a machine that gets busier slows both alike; each
 program's own steady-state rate (steps after the first --warmup) is kept, the table shows medians.
 """
+
 import argparse
 import os
 import platform
@@ -27,35 +28,88 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from ddp_common import fail, free_port  # noqa: E402
 
-NANOGPT_URL, NANOGPT_COMMIT = "https://github.com/karpathy/nanoGPT", "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"
+NANOGPT_URL, NANOGPT_COMMIT = (
+    "https://github.com/karpathy/nanoGPT",
+    "3adf61e154c3fe3fca428ad6bc3818b27a3b8291",
+)
 LIGHTNING = "lightning==2.6.6"
-GPT_PRESETS = {"tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
-               "124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)}
-PEAK_BF16_TFLOPS = {"H100": 989, "H200": 989, "B200": 2250, "A100": 312, "L40S": 362, "L4": 121}  # dense, data sheets
+GPT_PRESETS = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+}
+PEAK_BF16_TFLOPS = {
+    "H100": 989,
+    "H200": 989,
+    "B200": 2250,
+    "A100": 312,
+    "L40S": 362,
+    "L4": 121,
+}  # dense, data sheets
 # nanoGPT's train.py assumes CUDA under DDP; on a CPU these three lines must allow gloo and the CPU.
-NANOGPT_CPU_PATCH = [("    device = f'cuda:{ddp_local_rank}'\n",
-                      "    device = f'cuda:{ddp_local_rank}' if device.startswith('cuda') else device\n"),
-                     ("    torch.cuda.set_device(device)\n", "    if device.startswith('cuda'): torch.cuda.set_device(device)\n"),
-                     ("DDP(model, device_ids=[ddp_local_rank])", "DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)")]
+NANOGPT_CPU_PATCH = [
+    (
+        "    device = f'cuda:{ddp_local_rank}'\n",
+        "    device = f'cuda:{ddp_local_rank}' if device.startswith('cuda') else device\n",
+    ),
+    (
+        "    torch.cuda.set_device(device)\n",
+        "    if device.startswith('cuda'): torch.cuda.set_device(device)\n",
+    ),
+    (
+        "DDP(model, device_ids=[ddp_local_rank])",
+        "DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)",
+    ),
+]
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--pairs", type=int, default=3, help="A/B pairs per comparison (default 3)")
-    a("--procs", type=int, nargs="+", default=[1, 2], help="world sizes for the GPT comparison (default 1 2)")
+    a(
+        "--procs",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="world sizes for the GPT comparison (default 1 2)",
+    )
     a("--gpt-preset", default="tiny", choices=list(GPT_PRESETS))
     a("--gpt-steps", type=int, default=40, help="optimizer steps per GPT run (default 40)")
     a("--cifar-procs", type=int, default=2, help="world size for the CIFAR comparison (default 2)")
     a("--cifar-steps", type=int, default=40, help="optimizer steps per CIFAR run (default 40)")
-    a("--ddp1-steps", type=int, default=30, help="timed steps per model for the world-size-1 check (default 30)")
-    a("--warmup", type=int, default=10, help="first steps of every run left out of its rate (default 10)")
+    a(
+        "--ddp1-steps",
+        type=int,
+        default=30,
+        help="timed steps per model for the world-size-1 check (default 30)",
+    )
+    a(
+        "--warmup",
+        type=int,
+        default=10,
+        help="first steps of every run left out of its rate (default 10)",
+    )
     a("--only", choices=["gpt", "cifar", "ddp1"], help="run one comparison")
     a("--nanogpt", metavar="DIR", help="a nanoGPT checkout to use (default: git clone into --work)")
-    a("--work", default=os.path.join(ROOT, "bench", ".work"), help="scratch: clone, data, checkpoints")
+    a(
+        "--work",
+        default=os.path.join(ROOT, "bench", ".work"),
+        help="scratch: clone, data, checkpoints",
+    )
     args = p.parse_args()
-    if min(args.pairs, args.ddp1_steps, args.gpt_steps - args.warmup, args.cifar_steps - args.warmup, *args.procs) < 1:
-        fail("--pairs, --procs and --ddp1-steps must be >= 1, and --gpt/cifar-steps more than --warmup")
+    if (
+        min(
+            args.pairs,
+            args.ddp1_steps,
+            args.gpt_steps - args.warmup,
+            args.cifar_steps - args.warmup,
+            *args.procs,
+        )
+        < 1
+    ):
+        fail(
+            "--pairs, --procs and --ddp1-steps must be >= 1, and --gpt/cifar-steps more than --warmup"
+        )
     return args
 
 
@@ -63,7 +117,14 @@ def machine():
     """One line naming what ran: CPU model and cores, or the GPU; torch."""
     cpu = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), cpu)
+        cpu = next(
+            (
+                l.split(":", 1)[1].strip()
+                for l in open("/proc/cpuinfo")
+                if l.startswith("model name")
+            ),
+            cpu,
+        )
     what = f"{cpu} ({len(os.sched_getaffinity(0))} cores)"
     if torch.cuda.is_available():
         what = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {what}"
@@ -73,19 +134,28 @@ def machine():
 def run(cmd, cwd=ROOT, env=None, timeout=1800):
     """Run a benchmark program; its output, or one error line with its last lines."""
     t = time.perf_counter()
-    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
-                       text=True, timeout=timeout)
+    r = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if r.returncode:
         tail = " / ".join((r.stdout + r.stderr).strip().splitlines()[-3:])
         fail(f"{' '.join(map(str, cmd[:4]))}... exited {r.returncode}: {tail[-500:]}", 1)
-    print(f"  ran {os.path.basename(str(cmd[1 if cmd[0] == sys.executable else 0]))} in {time.perf_counter() - t:.0f}s",
-          flush=True)
+    print(
+        f"  ran {os.path.basename(str(cmd[1 if cmd[0] == sys.executable else 0]))} in {time.perf_counter() - t:.0f}s",
+        flush=True,
+    )
     return r.stdout + r.stderr
 
 
 def flops_per_token(preset):
     """nanoGPT's count, for MFU: 6 per non-embedding parameter (the tied wte counts, wpe does not), plus attention."""
     from gpt2_ddp import GPT, GPTConfig
+
     cfg = GPTConfig(**GPT_PRESETS[preset], vocab_size=50257)
     n = sum(p.numel() for p in GPT(cfg).parameters()) - cfg.block_size * cfg.n_embd
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
@@ -95,14 +165,19 @@ def mfu(tokens_per_s, procs, preset):
     """Model FLOPs utilisation against one GPU's dense bf16 peak; None off the table (or on a CPU)."""
     if not torch.cuda.is_available():
         return None
-    peak = next((t for gpu, t in PEAK_BF16_TFLOPS.items() if gpu in torch.cuda.get_device_name(0)), None)
+    peak = next(
+        (t for gpu, t in PEAK_BF16_TFLOPS.items() if gpu in torch.cuda.get_device_name(0)), None
+    )
     return peak and flops_per_token(preset) * tokens_per_s / procs / (peak * 1e12)
 
 
 def interval_rate(out, unit, warmup):
     """Ours: log lines `step S/T | ... | R unit` after step `warmup`; equal intervals -> harmonic mean."""
-    rates = [float(m[2]) for m in re.finditer(rf"step (\d+)/\d+ \|.*? (\d+(?:\.\d+)?) {unit}", out)
-             if int(m[1]) > warmup]
+    rates = [
+        float(m[2])
+        for m in re.finditer(rf"step (\d+)/\d+ \|.*? (\d+(?:\.\d+)?) {unit}", out)
+        if int(m[1]) > warmup
+    ]
     if not rates:
         fail(f"no `{unit}` log lines after step {warmup}: raise --*-steps", 1)
     return len(rates) / sum(1 / r for r in rates)
@@ -119,11 +194,17 @@ def get_nanogpt(args):
             subprocess.run(["git", "clone", "-q", NANOGPT_URL, path], check=True, timeout=300)
             subprocess.run(["git", "-C", path, "checkout", "-q", NANOGPT_COMMIT], check=True)
         except (OSError, subprocess.SubprocessError) as e:
-            fail(f"cannot fetch nanoGPT ({type(e).__name__}): clone {NANOGPT_URL} yourself and pass --nanogpt DIR", 1)
+            fail(
+                f"cannot fetch nanoGPT ({type(e).__name__}): clone {NANOGPT_URL} yourself and pass --nanogpt DIR",
+                1,
+            )
     src = open(os.path.join(path, "train.py")).read()
     for old, new in NANOGPT_CPU_PATCH:
         if src.count(old) != 1:
-            fail(f"{path}/train.py is not the nanoGPT this expects (commit {NANOGPT_COMMIT[:8]}): `{old.strip()}`", 1)
+            fail(
+                f"{path}/train.py is not the nanoGPT this expects (commit {NANOGPT_COMMIT[:8]}): `{old.strip()}`",
+                1,
+            )
         src = src.replace(old, new)
     open(os.path.join(path, "train_cpu.py"), "w").write(src)
     return path
@@ -132,86 +213,190 @@ def get_nanogpt(args):
 def gpt_text(args, nanogpt):
     """The course's own text, tokenized with GPT-2's BPE: a text file for ours, .bin files for nanoGPT."""
     import tiktoken
-    text = "\n".join(open(os.path.join(d, f), encoding="utf-8").read() for d in (ROOT, os.path.join(ROOT, "docs"))
-                     for f in sorted(os.listdir(d)) if f.endswith((".md", ".py")))
+
+    text = "\n".join(
+        open(os.path.join(d, f), encoding="utf-8").read()
+        for d in (ROOT, os.path.join(ROOT, "docs"))
+        for f in sorted(os.listdir(d))
+        if f.endswith((".md", ".py"))
+    )
     path = os.path.join(args.work, "course.txt")
     os.makedirs(args.work, exist_ok=True)
     open(path, "w", encoding="utf-8").write(text)
     tokens = np.array(tiktoken.get_encoding("gpt2").encode_ordinary(text), dtype=np.uint16)
     data = os.path.join(nanogpt, "data", "ddpcourse")
     os.makedirs(data, exist_ok=True)
-    tokens[:len(tokens) * 9 // 10].tofile(os.path.join(data, "train.bin"))
-    tokens[len(tokens) * 9 // 10:].tofile(os.path.join(data, "val.bin"))
+    tokens[: len(tokens) * 9 // 10].tofile(os.path.join(data, "train.bin"))
+    tokens[len(tokens) * 9 // 10 :].tofile(os.path.join(data, "val.bin"))
     return path
 
 
 def gpt_pair(args, n, text, nanogpt, cuda):
     """One run of each: lesson 5 and nanoGPT on the same model, batch, steps and world size."""
-    cfg, s, threads = GPT_PRESETS[args.gpt_preset], args.gpt_steps, max(1, len(os.sched_getaffinity(0)) // n)
-    ours = [sys.executable, "gpt2_ddp.py", "--nproc", n, "--text", text, "--preset", args.gpt_preset,
-            "--max-length", cfg["block_size"], "--batch-size", 8, "--max-steps", s, "--log-every", 5,
-            "--epochs", 1000, "--save-every", 10 ** 6, "--checkpoint-dir", os.path.join(args.work, "ck5")]
-    launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                f"--nproc_per_node={n}"]
-    theirs = launch + ["train_cpu.py", "--dataset=ddpcourse", f"--out_dir={os.path.join(args.work, 'nanogpt-out')}",
-                       *(f"--{k}={v}" for k, v in cfg.items()), "--batch_size=8", f"--gradient_accumulation_steps={n}",
-                       "--bias=True", "--dropout=0.0", "--learning_rate=6e-4", "--min_lr=6e-5", "--weight_decay=0.1",
-                       "--beta2=0.95", "--grad_clip=1.0", f"--max_iters={s}", f"--lr_decay_iters={s}",
-                       "--warmup_iters=10", "--eval_interval=1000000", "--eval_iters=1", "--log_interval=1",
-                       "--always_save_checkpoint=False", f"--device={'cuda' if cuda else 'cpu'}",
-                       f"--dtype={'bfloat16' if cuda else 'float32'}", f"--compile={cuda}",
-                       f"--backend={'nccl' if cuda else 'gloo'}"]
+    cfg, s, threads = (
+        GPT_PRESETS[args.gpt_preset],
+        args.gpt_steps,
+        max(1, len(os.sched_getaffinity(0)) // n),
+    )
+    ours = [
+        sys.executable,
+        "gpt2_ddp.py",
+        "--nproc",
+        n,
+        "--text",
+        text,
+        "--preset",
+        args.gpt_preset,
+        "--max-length",
+        cfg["block_size"],
+        "--batch-size",
+        8,
+        "--max-steps",
+        s,
+        "--log-every",
+        5,
+        "--epochs",
+        1000,
+        "--save-every",
+        10**6,
+        "--checkpoint-dir",
+        os.path.join(args.work, "ck5"),
+    ]
+    launch = (
+        [sys.executable]
+        if n == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={n}",
+        ]
+    )
+    theirs = launch + [
+        "train_cpu.py",
+        "--dataset=ddpcourse",
+        f"--out_dir={os.path.join(args.work, 'nanogpt-out')}",
+        *(f"--{k}={v}" for k, v in cfg.items()),
+        "--batch_size=8",
+        f"--gradient_accumulation_steps={n}",
+        "--bias=True",
+        "--dropout=0.0",
+        "--learning_rate=6e-4",
+        "--min_lr=6e-5",
+        "--weight_decay=0.1",
+        "--beta2=0.95",
+        "--grad_clip=1.0",
+        f"--max_iters={s}",
+        f"--lr_decay_iters={s}",
+        "--warmup_iters=10",
+        "--eval_interval=1000000",
+        "--eval_iters=1",
+        "--log_interval=1",
+        "--always_save_checkpoint=False",
+        f"--device={'cuda' if cuda else 'cpu'}",
+        f"--dtype={'bfloat16' if cuda else 'float32'}",
+        f"--compile={cuda}",
+        f"--backend={'nccl' if cuda else 'gloo'}",
+    ]
     if cuda:
         ours.append("--compile")
     env = {"OMP_NUM_THREADS": str(threads), "MASTER_PORT": str(free_port())}
 
     def nanogpt_rate(out):
-        per_iter = int(re.search(r"tokens per iteration will be: ([\d,]+)", out)[1].replace(",", ""))
-        dts = [float(m[2]) for m in re.finditer(r"iter (\d+): loss \S+, time ([\d.]+)ms", out) if int(m[1]) > args.warmup]
+        per_iter = int(
+            re.search(r"tokens per iteration will be: ([\d,]+)", out)[1].replace(",", "")
+        )
+        dts = [
+            float(m[2])
+            for m in re.finditer(r"iter (\d+): loss \S+, time ([\d.]+)ms", out)
+            if int(m[1]) > args.warmup
+        ]
         return per_iter * len(dts) / (sum(dts) / 1000)
-    return (lambda: interval_rate(run(ours, env=env), "tokens/s", args.warmup),
-            lambda: nanogpt_rate(run(theirs, cwd=nanogpt, env=env)))
+
+    return (
+        lambda: interval_rate(run(ours, env=env), "tokens/s", args.warmup),
+        lambda: nanogpt_rate(run(theirs, cwd=nanogpt, env=env)),
+    )
 
 
 def cifar_pair(args, cuda):
     """One run of each: lesson 2's default job and the same job in Lightning, 2 ranks x 32 by default."""
     n, s = args.cifar_procs, args.cifar_steps
     common = ["--batch-size", 32, "--max-steps", s]
-    ours = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "ddp_training.py",
-            "--data", "synthetic", "--subset", 2000, "--log-every", 5, "--checkpoint-dir",
-            os.path.join(args.work, "ck2"), *common]
-    theirs = [sys.executable, os.path.join("bench", "lightning_cifar.py"), "--devices", n, "--subset", 2000,
-              "--warmup-steps", args.warmup, *common]
+    ours = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n}",
+        "ddp_training.py",
+        "--data",
+        "synthetic",
+        "--subset",
+        2000,
+        "--log-every",
+        5,
+        "--checkpoint-dir",
+        os.path.join(args.work, "ck2"),
+        *common,
+    ]
+    theirs = [
+        sys.executable,
+        os.path.join("bench", "lightning_cifar.py"),
+        "--devices",
+        n,
+        "--subset",
+        2000,
+        "--warmup-steps",
+        args.warmup,
+        *common,
+    ]
 
     def lightning_rate(out):
         return float(re.search(r"\| ([\d.]+) samples/s", out)[1])
-    return (lambda: interval_rate(run(ours), "samples/s", args.warmup),
-            lambda: lightning_rate(run(theirs)))
+
+    return (
+        lambda: interval_rate(run(ours), "samples/s", args.warmup),
+        lambda: lightning_rate(run(theirs)),
+    )
 
 
 def ddp1(args):
     """Lesson 2's ResNet-18 step (batch 32), bare and in DDP at world size 1, alternating; p50 ms each."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from ddp_training import build_model
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+    )
     torch.manual_seed(0)
     bare = build_model("resnet18").to(device, memory_format=torch.channels_last)
-    wrapped = DDP(build_model("resnet18").to(device, memory_format=torch.channels_last),
-                  device_ids=[0] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    wrapped = DDP(
+        build_model("resnet18").to(device, memory_format=torch.channels_last),
+        device_ids=[0] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
     x = torch.randn(32, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (32,), device=device)
     steps_of = {}
     for model in (bare, wrapped):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=True)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=True
+        )
 
         def step(model=model, opt=opt):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             opt.step()
+
         steps_of[model] = step
     times = {bare: [], wrapped: []}
     for i in range(args.warmup + args.ddp1_steps):
@@ -250,7 +435,9 @@ def main():
             ours, theirs = alternate(gpt_pair(args, n, text, nanogpt, cuda), args.pairs)
             rows.append((f"GPT-2 {args.gpt_preset}, {n} proc", "nanoGPT", "tokens/s", ours, theirs))
             if (m := mfu(statistics.median(ours), n, args.gpt_preset)) is not None:
-                print(f"mfu: ours {m:.1%} | nanoGPT {mfu(statistics.median(theirs), n, args.gpt_preset):.1%}")
+                print(
+                    f"mfu: ours {m:.1%} | nanoGPT {mfu(statistics.median(theirs), n, args.gpt_preset):.1%}"
+                )
     if args.only in (None, "cifar"):
         try:
             import lightning  # noqa: F401
@@ -259,17 +446,25 @@ def main():
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", LIGHTNING], check=True)
         print(f"ddp_training.py vs Lightning, {args.cifar_procs} processes:", flush=True)
         ours, theirs = alternate(cifar_pair(args, cuda), args.pairs)
-        rows.append((f"ResNet-18 CIFAR, {args.cifar_procs} x 32", "Lightning", "samples/s", ours, theirs))
+        rows.append(
+            (f"ResNet-18 CIFAR, {args.cifar_procs} x 32", "Lightning", "samples/s", ours, theirs)
+        )
     print(f"\nmachine: {machine()}")
-    print(f"{'job':<24}{'ours':>10}{'theirs':>10}  {'unit':<10}{'ours/theirs':>12}  {'per pair':<20}  vs")
+    print(
+        f"{'job':<24}{'ours':>10}{'theirs':>10}  {'unit':<10}{'ours/theirs':>12}  {'per pair':<20}  vs"
+    )
     for job, other, unit, ours, theirs in rows:
         ratios = " ".join(f"{o / t:.2f}" for o, t in zip(ours, theirs))
-        print(f"{job:<24}{statistics.median(ours):>10.0f}{statistics.median(theirs):>10.0f}  {unit:<10}"
-              f"{statistics.median(ours) / statistics.median(theirs):>11.2f}x  {ratios:<20}  {other}")
+        print(
+            f"{job:<24}{statistics.median(ours):>10.0f}{statistics.median(theirs):>10.0f}  {unit:<10}"
+            f"{statistics.median(ours) / statistics.median(theirs):>11.2f}x  {ratios:<20}  {other}"
+        )
     if args.only in (None, "ddp1"):
         bare_ms, ddp_ms = ddp1(args)
-        print(f"DDP at world size 1, lesson 2's ResNet-18 step: bare {bare_ms:.1f} ms | DDP {ddp_ms:.1f} ms | "
-              f"overhead {100 * (ddp_ms / bare_ms - 1):+.1f}%")
+        print(
+            f"DDP at world size 1, lesson 2's ResNet-18 step: bare {bare_ms:.1f} ms | DDP {ddp_ms:.1f} ms | "
+            f"overhead {100 * (ddp_ms / bare_ms - 1):+.1f}%"
+        )
 
 
 if __name__ == "__main__":

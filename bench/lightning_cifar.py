@@ -8,6 +8,7 @@ weight decay, linear warm-up then cosine, lr x world size. Lightning adds the Di
 DDP wrap and the process launch. Prints one `done:` line with its steady-state samples/s: the steps
 after --warmup-steps, timed at the end of each training batch on rank 0.
 """
+
 import argparse
 import math
 import os
@@ -27,8 +28,14 @@ from ddp_training import MEAN, STD, build_model, synthetic_cifar  # noqa: E402  
 class Images(Dataset):
     def __init__(self, x, y):
         self.x, self.y = x, y
-        self.transform = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(),
-                                     v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+        self.transform = v2.Compose(
+            [
+                v2.RandomCrop(32, padding=4),
+                v2.RandomHorizontalFlip(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(MEAN, STD),
+            ]
+        )
 
     def __len__(self):
         return len(self.y)
@@ -40,7 +47,12 @@ class Images(Dataset):
 class Classifier(L.LightningModule):
     def __init__(self, lr, warmup_steps, total_steps):
         super().__init__()
-        self.model, self.lr, self.warmup, self.total = build_model("resnet18"), lr, warmup_steps, total_steps
+        self.model, self.lr, self.warmup, self.total = (
+            build_model("resnet18"),
+            lr,
+            warmup_steps,
+            total_steps,
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -49,10 +61,18 @@ class Classifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr * self.trainer.world_size, momentum=0.9, weight_decay=5e-4)
+        opt = torch.optim.SGD(
+            self.parameters(), lr=self.lr * self.trainer.world_size, momentum=0.9, weight_decay=5e-4
+        )
         warm, total = self.warmup, self.total
-        lam = lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
-        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lam), "interval": "step"}]
+        lam = lambda s: (
+            (s + 1) / warm
+            if s < warm
+            else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+        )
+        return [opt], [
+            {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lam), "interval": "step"}
+        ]
 
 
 class StepClock(L.Callback):
@@ -69,27 +89,51 @@ def main():
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the timing")
-    p.add_argument("--subset", type=int, default=2000, help="synthetic training images (as the lesson's --subset)")
-    p.add_argument("--epochs", type=int, default=30, help="the lr schedule's length, as in the lesson")
+    p.add_argument(
+        "--subset",
+        type=int,
+        default=2000,
+        help="synthetic training images (as the lesson's --subset)",
+    )
+    p.add_argument(
+        "--epochs", type=int, default=30, help="the lr schedule's length, as in the lesson"
+    )
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     (x, y), _ = synthetic_cifar(0, args.subset, 1)
     n_train = len(y) - len(y) // 10  # the lesson holds 10% out for validation
-    loader = DataLoader(Images(x[:n_train], y[:n_train]), args.batch_size, shuffle=True, drop_last=True,
-                        num_workers=4 if cuda else 0, pin_memory=cuda)  # as the lesson: workers on GPUs only
+    loader = DataLoader(
+        Images(x[:n_train], y[:n_train]),
+        args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=4 if cuda else 0,
+        pin_memory=cuda,
+    )  # as the lesson: workers on GPUs only
     steps_per_epoch = n_train // args.devices // args.batch_size
     model = Classifier(0.1, steps_per_epoch, args.epochs * steps_per_epoch)
     clock = StepClock()
-    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=args.devices,
-                        strategy="ddp" if args.devices > 1 else "auto", precision="bf16-mixed" if cuda else "32-true",
-                        max_steps=args.max_steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
     trainer.fit(model, loader)
     if trainer.global_rank == 0:
         t, w = clock.times, args.warmup_steps
         rate = (len(t) - w) * args.batch_size * trainer.world_size / (t[-1] - t[w - 1])
-        print(f"done: lightning {L.__version__} | world {trainer.world_size} | threads {torch.get_num_threads()} | "
-              f"steps {len(t)} | {rate:.1f} samples/s", flush=True)
+        print(
+            f"done: lightning {L.__version__} | world {trainer.world_size} | threads {torch.get_num_threads()} | "
+            f"steps {len(t)} | {rate:.1f} samples/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

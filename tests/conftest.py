@@ -1,5 +1,6 @@
 """Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
 and the whole process tree killed when a run fails or hangs."""
+
 import fcntl
 import os
 import random
@@ -23,7 +24,9 @@ sys.path.insert(0, str(ROOT))  # so tests (and mp.spawn children) can import the
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-PORT_BOOK = Path(tempfile.gettempdir()) / "ddp-course-ports"  # port -> when handed out, for every session
+PORT_BOOK = (
+    Path(tempfile.gettempdir()) / "ddp-course-ports"
+)  # port -> when handed out, for every session
 
 
 def free_port(n=1):
@@ -71,17 +74,28 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ModulesAndReadmeCommands(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            m = re.search(r"test_readme\.py::test_(command_runs|shown_output)\w*\[(\S+ of )?(\S+:\d+)", nodeid)
+            m = re.search(
+                r"test_readme\.py::test_(command_runs|shown_output)\w*\[(\S+ of )?(\S+:\d+)", nodeid
+            )
             return m.group(3) if m else super()._split_scope(nodeid)
+
     return ModulesAndReadmeCommands(config, log)
 
 
 def cpu_env(**extra):
     """Environment for a CPU/gloo run: no GPU, one thread per process, short collective timeout."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "SLURM_"))}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               DDP_TIMEOUT="60", PYTHONPATH=str(ROOT))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "SLURM_"))
+    }
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        DDP_TIMEOUT="60",
+        PYTHONPATH=str(ROOT),
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -116,16 +130,24 @@ def kill_tree(*pids):
 def run(cmd, timeout=180, env=None, cwd=None):
     """Run cmd in its own session; on timeout kill the whole group and fail the test.
     Any stragglers (workers of a crashed launcher) are killed too."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd or ROOT, env=env or cpu_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd or ROOT,
+        env=env or cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
-                    f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}")
+        pytest.fail(
+            f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
+            f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+        )
     finally:
         kill_tree(proc.pid)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -133,14 +155,24 @@ def run(cmd, timeout=180, env=None, cwd=None):
 
 def torchrun_cmd(script, *args, nproc=2, extra=()):
     """torchrun (as `python -m torch.distributed.run`, the same program) on a free port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-            f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, ROOT / script, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        *extra,
+        ROOT / script,
+        *args,
+    ]
 
 
 def run_torchrun(script, *args, nproc=2, timeout=180, env=None, extra=()):
-    return run(torchrun_cmd(script, *args, nproc=nproc, extra=extra), timeout=timeout,
-               env=env or cpu_env())
+    return run(
+        torchrun_cmd(script, *args, nproc=nproc, extra=extra), timeout=timeout, env=env or cpu_env()
+    )
 
 
 def run_nodes(cmds, tmp_path=None, timeout=240, env=None):
@@ -148,12 +180,22 @@ def run_nodes(cmds, tmp_path=None, timeout=240, env=None):
     files (a full pipe would block one node while we wait on the other); on timeout every process
     (agents and their workers) is killed and the test fails showing each node's output."""
     import tempfile
+
     procs, logs = [], []
     for cmd in cmds:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         logs.append((out, err))
-        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env or cpu_env(),
-                                      text=True, stdout=out, stderr=err, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [str(c) for c in cmd],
+                cwd=ROOT,
+                env=env or cpu_env(),
+                text=True,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        )
     deadline, timed_out = time.monotonic() + timeout, False
     try:
         for p in procs:
@@ -171,9 +213,14 @@ def run_nodes(cmds, tmp_path=None, timeout=240, env=None):
         results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
         out.close(), err.close()
     if timed_out:
-        pytest.fail(f"timed out after {timeout}s\n" + "\n".join(
-            f"--- node {i} (exit {r.returncode}) stdout\n{r.stdout[-2000:]}\n--- stderr\n"
-            f"{r.stderr[-3000:]}" for i, r in enumerate(results)))
+        pytest.fail(
+            f"timed out after {timeout}s\n"
+            + "\n".join(
+                f"--- node {i} (exit {r.returncode}) stdout\n{r.stdout[-2000:]}\n--- stderr\n"
+                f"{r.stderr[-3000:]}"
+                for i, r in enumerate(results)
+            )
+        )
     return results
 
 
@@ -183,11 +230,27 @@ def run_torchrun_nodes(script, node_args, nproc=1, timeout=180, env=None, extra=
     node i. c10d ranks nodes by sorted address, so node i gets --local-addr 127.0.0.<i+1> and is
     GROUP_RANK i. Returns one CompletedProcess per node; all are killed on timeout."""
     endpoint = f"127.0.0.1:{free_port()}"
-    return run_nodes([[sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}",
-                       f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-                       f"--rdzv-endpoint={endpoint}", "--rdzv-id=nodes",
-                       f"--local-addr=127.0.0.{i + 1}", *extra, ROOT / script, *args]
-                      for i, args in enumerate(node_args)], timeout=timeout, env=env)
+    return run_nodes(
+        [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={len(node_args)}",
+                f"--nproc_per_node={nproc}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=nodes",
+                f"--local-addr=127.0.0.{i + 1}",
+                *extra,
+                ROOT / script,
+                *args,
+            ]
+            for i, args in enumerate(node_args)
+        ],
+        timeout=timeout,
+        env=env,
+    )
 
 
 def run_python(script, *args, timeout=180, env=None):
@@ -196,25 +259,34 @@ def run_python(script, *args, timeout=180, env=None):
 
 def assert_ok(result):
     """Exit 0, or fail showing the ends of both streams."""
-    assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
-                                    f"\n--- stderr\n{result.stderr[-3000:]}")
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}"
+        f"\n--- stderr\n{result.stderr[-3000:]}"
+    )
 
 
 def error_lines(result):
     """The `error:` lines a failed run printed (the interface for user mistakes); argparse's
     `prog: error: ...` lines count too."""
-    return [l for l in (result.stderr + result.stdout).splitlines()
-            if re.match(r"(\S+: )?error: ", l)]
+    return [
+        l for l in (result.stderr + result.stdout).splitlines() if re.match(r"(\S+: )?error: ", l)
+    ]
 
 
 def flat_tensors(state, prefix=""):
     """Flatten a nested state (dicts, lists, tensors: a checkpoint, an optimizer state_dict) into
     {"a.b.0": tensor}, so two states compare key by key."""
     import torch
+
     if isinstance(state, torch.Tensor):
         return {prefix: state}
-    items = (state.items() if isinstance(state, dict) else
-             enumerate(state) if isinstance(state, (list, tuple)) else [])
+    items = (
+        state.items()
+        if isinstance(state, dict)
+        else enumerate(state)
+        if isinstance(state, (list, tuple))
+        else []
+    )
     flat = {}
     for k, v in items:
         flat.update(flat_tensors(v, f"{prefix}.{k}"))
@@ -241,21 +313,30 @@ def spawn(fn, nprocs, *args, port=None):
     process starts as a fresh one would; it takes the environment of the first spawn, which is
     why the workers set theirs (init_spawned, torchrun_env) themselves."""
     import multiprocessing
+
     import torch.multiprocessing as mp
+
     # torch._dynamo: DDP's constructor imports it (another second per process otherwise)
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     port = port or free_port()
-    mp.start_processes(_run_then_exit, args=(fn, nprocs, port, *args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    mp.start_processes(
+        _run_then_exit,
+        args=(fn, nprocs, port, *args),
+        nprocs=nprocs,
+        join=True,
+        start_method="forkserver",
+    )
 
 
 def init_spawned(rank, world_size, port):
     """In a spawned test worker: join the group through the helper under test (gloo, CPU)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="",
-                      DDP_TIMEOUT="60")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", DDP_TIMEOUT="60"
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
         os.environ.pop(k, None)
     import ddp_common
+
     return ddp_common.setup(backend="gloo", rank=rank, world_size=world_size)
 
 
@@ -266,22 +347,35 @@ def torchrun_env(rank, world_size, port, local_world_size=None):
     local = local_world_size or world_size
     for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
         os.environ.pop(k, None)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local),
-                      LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="",
-                      DDP_TIMEOUT="60", OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % local),
+        LOCAL_WORLD_SIZE=str(local),
+        GROUP_RANK=str(rank // local),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        CUDA_VISIBLE_DEVICES="",
+        DDP_TIMEOUT="60",
+        OMP_NUM_THREADS="1",
+    )
 
 
 def assert_clean_failure(result, code=None):
     """A user mistake or failure: non-zero exit, an `error:` line, and no Python traceback from
     the course's own files. (torchrun then adds its own ChildFailedError report about the failed
     worker; that is the launcher's output, and the `error:` line above it is the cause.)"""
-    assert result.returncode != 0 if code is None else result.returncode == code, \
-        (result.returncode, result.stderr[-2000:])
+    assert result.returncode != 0 if code is None else result.returncode == code, (
+        result.returncode,
+        result.stderr[-2000:],
+    )
     errs = error_lines(result)
     assert errs, f"no error line:\n{result.stderr[-2000:]}"
-    ours = [l for l in result.stderr.splitlines()
-            if re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv)', l)]
+    ours = [
+        l
+        for l in result.stderr.splitlines()
+        if re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv)', l)
+    ]
     assert not ours, "traceback from the course's code:\n" + "\n".join(ours)
     return errs
 
@@ -314,18 +408,27 @@ def slurm():
     port = free_port(3)  # slurmctld, then one per slurmd
     # The sbatch scripts' rendezvous port is 20000 + job id % 20000: ids from port + 10000 keep it off
     # this cluster's ports and apart from another session's (its ports differ).
-    env = dict(os.environ, SLURM_TEST_DIR=state_dir, SLURM_TEST_PORT=str(port),
-               SLURM_TEST_FIRST_JOB_ID=str(port + 10000))
-    start = subprocess.run(["bash", CLUSTER, "start"], env=env, capture_output=True, text=True,
-                           timeout=900)
+    env = dict(
+        os.environ,
+        SLURM_TEST_DIR=state_dir,
+        SLURM_TEST_PORT=str(port),
+        SLURM_TEST_FIRST_JOB_ID=str(port + 10000),
+    )
+    start = subprocess.run(
+        ["bash", CLUSTER, "start"], env=env, capture_output=True, text=True, timeout=900
+    )
     if start.returncode != 0:
         subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
-        pytest.fail(f"tests/slurm_cluster.sh start failed:\n{start.stdout[-2000:]}{start.stderr[-3000:]}")
+        pytest.fail(
+            f"tests/slurm_cluster.sh start failed:\n{start.stdout[-2000:]}{start.stderr[-3000:]}"
+        )
     try:
         # The jobs inherit this environment (sbatch --export=ALL): without a .venv in the repo
         # the sbatch scripts run the python/torchrun found first on PATH, i.e. this one.
-        yield {"SLURM_CONF": f"{state_dir}/slurm.conf",
-               "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+        yield {
+            "SLURM_CONF": f"{state_dir}/slurm.conf",
+            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        }
     finally:
         subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(state_dir, ignore_errors=True)

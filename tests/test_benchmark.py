@@ -1,6 +1,7 @@
 """Lesson 6 (ddp_benchmark.py): the formulas against hand-computed values; the per-rank code in this
 process (gradient_as_bucket_view, the resnet18 path); real sweeps (mp.spawn on gloo, 1 and 2
 processes) that must write complete, positive, self-consistent JSON with exact bytes per step."""
+
 import gc
 import json
 import math
@@ -9,9 +10,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import assert_clean_failure, assert_ok, free_port, run_python
 
 import ddp_benchmark as bench
-from conftest import assert_clean_failure, assert_ok, free_port, run_python
 
 TIMEOUT = 240  # a quick sweep takes ~15 s on a quiet 2-core machine, far more on a busy one
 CPU = torch.device("cpu")
@@ -19,23 +20,25 @@ CPU = torch.device("cpu")
 
 # ---------------------------------------------------------------- formulas, by hand
 
+
 def test_formulas_against_hand_values():
     assert bench.efficiency(180.0, 100.0, 2) == pytest.approx(0.9)
     assert bench.efficiency(400.0, 100.0, 4) == pytest.approx(1.0)
     assert bench.efficiency(300.0, 100.0, 4) == pytest.approx(0.75)
-    assert bench.busbw(10.0, 2) == pytest.approx(10.0)   # 2(n-1)/n = 1 for two ranks
-    assert bench.busbw(10.0, 4) == pytest.approx(15.0)   # 2*3/4 = 1.5
-    assert bench.busbw(8.0, 8) == pytest.approx(14.0)    # 2*7/8 = 1.75
-    assert bench.busbw(10.0, 1) == 0                      # one rank moves nothing
+    assert bench.busbw(10.0, 2) == pytest.approx(10.0)  # 2(n-1)/n = 1 for two ranks
+    assert bench.busbw(10.0, 4) == pytest.approx(15.0)  # 2*3/4 = 1.5
+    assert bench.busbw(8.0, 8) == pytest.approx(14.0)  # 2*7/8 = 1.75
+    assert bench.busbw(10.0, 1) == 0  # one rank moves nothing
     assert [bench.world_sizes(n) for n in (1, 2, 6, 8)] == [[1], [1, 2], [1, 2, 4, 6], [1, 2, 4, 8]]
     s = bench.step_stats([0.4, 0.1, 0.3, 0.2], global_batch=8)
-    assert s["step_ms_p50"] == pytest.approx(250.0)      # between 0.2 and 0.3
-    assert s["step_ms_p90"] == pytest.approx(370.0)      # position 2.7: 0.3 + 0.7 * (0.4 - 0.3)
-    assert s["samples_per_s"] == pytest.approx(32.0)     # 4 steps x 8 samples in 1.0 s
+    assert s["step_ms_p50"] == pytest.approx(250.0)  # between 0.2 and 0.3
+    assert s["step_ms_p90"] == pytest.approx(370.0)  # position 2.7: 0.3 + 0.7 * (0.4 - 0.3)
+    assert s["samples_per_s"] == pytest.approx(32.0)  # 4 steps x 8 samples in 1.0 s
     assert bench.step_stats([0.007], 1)["step_ms_p90"] == pytest.approx(7.0)
 
 
 # ---------------------------------------------------------------- the per-rank code, in this process
+
 
 @pytest.fixture
 def one_rank_group():
@@ -56,7 +59,9 @@ def test_grad_as_bucket_view_keeps_every_grad_inside_its_bucket(one_rank_group):
     params = list(model.parameters())
     accumulated = {}  # parameter index -> address of the .grad that backward accumulated into
     for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated.__setitem__(i, p.grad.data_ptr()))
+        p.register_post_accumulate_grad_hook(
+            lambda p, i=i: accumulated.__setitem__(i, p.grad.data_ptr())
+        )
     step = bench.make_step(model, batch, args, CPU)
     step()
     step()  # DDP rebuilt its buckets after the first step
@@ -89,16 +94,21 @@ def test_resnet18_point_in_this_process(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- real sweeps
 
+
 def run_bench(tmp_path, *args):
     out = tmp_path / "bench.json"
-    r = run_python("ddp_benchmark.py", "--quick", "--max-procs", "2", "--json", out, *args, timeout=TIMEOUT)
+    r = run_python(
+        "ddp_benchmark.py", "--quick", "--max-procs", "2", "--json", out, *args, timeout=TIMEOUT
+    )
     assert_ok(r)
     assert [line for line in r.stdout.splitlines() if line.startswith("done:")], r.stdout
     return json.loads(out.read_text()), r
 
 
 def numbers(record):
-    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 DIFFERENCES = {"wrapper_ms", "exposed_comm_ms", "overhead_pct"}  # measured differences: any sign
@@ -116,7 +126,9 @@ def check_report(report, threads):
         # every record names the machine, torch, backend and threads per rank
         assert rec["machine"] == machine["name"] and rec["torch"] == machine["torch"]
         assert rec["backend"] == "gloo" and rec["threads_per_rank"] == threads[rec["world_size"]]
-        assert rec["oversubscribed"] == (rec["world_size"] * rec["threads_per_rank"] > machine["cores"])
+        assert rec["oversubscribed"] == (
+            rec["world_size"] * rec["threads_per_rank"] > machine["cores"]
+        )
         assert rec["params"] == 215_370  # lesson 1's CNN
         for key, value in numbers(rec).items():
             assert math.isfinite(value), (key, rec)
@@ -128,18 +140,34 @@ def check_report(report, threads):
     for r in scaling:
         assert r["step_ms_p90"] >= r["step_ms_p50"]
     caps, hooks = report["config"]["bucket_cap_mb"], report["config"]["comm_hook"]
-    for n in (1, 2):  # unwrapped, no_sync and one DDP row per hook x bucket size, at each world size
-        rows = {(r["variant"], r.get("comm_hook"), r.get("bucket_cap_mb")): r
-                for r in breakdown if r["world_size"] == n}
-        assert sorted(rows, key=str) == sorted([("unwrapped", None, None), ("ddp_no_sync", None, None)]
-                                               + [("ddp", h, c) for h in hooks for c in caps], key=str)
-        compute, no_sync = rows[("unwrapped", None, None)]["step_ms_p50"], rows[("ddp_no_sync", None, None)]
+    for n in (
+        1,
+        2,
+    ):  # unwrapped, no_sync and one DDP row per hook x bucket size, at each world size
+        rows = {
+            (r["variant"], r.get("comm_hook"), r.get("bucket_cap_mb")): r
+            for r in breakdown
+            if r["world_size"] == n
+        }
+        assert sorted(rows, key=str) == sorted(
+            [("unwrapped", None, None), ("ddp_no_sync", None, None)]
+            + [("ddp", h, c) for h in hooks for c in caps],
+            key=str,
+        )
+        compute, no_sync = (
+            rows[("unwrapped", None, None)]["step_ms_p50"],
+            rows[("ddp_no_sync", None, None)],
+        )
         assert no_sync["wrapper_ms"] == pytest.approx(no_sync["step_ms_p50"] - compute)
         for h in hooks:
             for c in caps:
                 d = rows[("ddp", h, c)]
-                assert d["exposed_comm_ms"] == pytest.approx(d["step_ms_p50"] - no_sync["step_ms_p50"])
-                assert d["overhead_pct"] == pytest.approx(100 * (d["step_ms_p50"] - compute) / compute)
+                assert d["exposed_comm_ms"] == pytest.approx(
+                    d["step_ms_p50"] - no_sync["step_ms_p50"]
+                )
+                assert d["overhead_pct"] == pytest.approx(
+                    100 * (d["step_ms_p50"] - compute) / compute
+                )
         # the scaling row is the DDP row with the first hook and the first bucket size
         assert scaling[n - 1]["step_ms_p50"] == rows[("ddp", hooks[0], caps[0])]["step_ms_p50"]
     # all-reduce bandwidth: measured at world size 2 only, 4 KiB .. 64 KiB in quick mode
@@ -155,19 +183,35 @@ def exact_bytes(hook, rank=2):
     sends each matrix (n x m) as rank-r factors, (n + m) x r floats, and the biases as they are."""
     params = list(bench.model_and_batch(bench.parse_args([]), 1, CPU, 0)[0].parameters())
     n = sum(p.numel() for p in params)
-    return {"none": 4 * n, "bf16": 2 * n, "fp16": 2 * n,
-            "powersgd": 4 * sum(p.numel() if p.dim() == 1 else rank * (p.shape[0] + p[0].numel())
-                                for p in params)}[hook]
+    return {
+        "none": 4 * n,
+        "bf16": 2 * n,
+        "fp16": 2 * n,
+        "powersgd": 4
+        * sum(p.numel() if p.dim() == 1 else rank * (p.shape[0] + p[0].numel()) for p in params),
+    }[hook]
 
 
 def test_quick_weak_sweep_with_hooks_buckets_and_plot(tmp_path):
     """One launch: weak scaling at 1 thread per rank, every hook x bucket size with exact bytes,
     the targets, and the plot."""
     plot = tmp_path / "scaling.png"
-    report, r = run_bench(tmp_path, "--threads", "1", "--comm-hook", "none", "bf16", "powersgd",
-                          "--bucket-cap-mb", "25", "0.1", "--plot", plot)
+    report, r = run_bench(
+        tmp_path,
+        "--threads",
+        "1",
+        "--comm-hook",
+        "none",
+        "bf16",
+        "powersgd",
+        "--bucket-cap-mb",
+        "25",
+        "0.1",
+        "--plot",
+        plot,
+    )
     check_report(report, threads={1: 1, 2: 1})
-    assert [x["batch_per_rank"] for x in report["scaling"]] == [8, 8]   # weak: per rank fixed
+    assert [x["batch_per_rank"] for x in report["scaling"]] == [8, 8]  # weak: per rank fixed
     assert [x["global_batch"] for x in report["scaling"]] == [8, 16]
     assert exact_bytes("powersgd") == 19_200 and exact_bytes("none") == 4 * 215_370
     for x in report["breakdown"]:
@@ -181,31 +225,54 @@ def test_quick_weak_sweep_with_hooks_buckets_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_quick_strong_sweep_default_threads_buckets_and_grad_views(tmp_path):
-    report, r = run_bench(tmp_path, "--strong", "--batch-size", "8", "--bucket-cap-mb", "25", "1",
-                          "--grad-as-bucket-view")
+    report, r = run_bench(
+        tmp_path,
+        "--strong",
+        "--batch-size",
+        "8",
+        "--bucket-cap-mb",
+        "25",
+        "1",
+        "--grad-as-bucket-view",
+    )
     assert report["config"]["grad_as_bucket_view"] is True
     cores = len(os.sched_getaffinity(0))
     check_report(report, threads={1: max(1, cores), 2: max(1, cores // 2)})
-    assert [x["batch_per_rank"] for x in report["scaling"]] == [8, 4]   # strong: global fixed
+    assert [x["batch_per_rank"] for x in report["scaling"]] == [8, 4]  # strong: global fixed
     assert [x["global_batch"] for x in report["scaling"]] == [8, 8]
-    assert all(x["comm_bytes_per_step"] == exact_bytes("none") for x in report["breakdown"] if "comm_hook" in x)
+    assert all(
+        x["comm_bytes_per_step"] == exact_bytes("none")
+        for x in report["breakdown"]
+        if "comm_hook" in x
+    )
     status = {t["target"].split()[0]: t["status"] for t in report["targets"]}
     assert status["weak-scaling"] == "NOT MEASURED"
 
 
 # ---------------------------------------------------------------- mistakes
 
-@pytest.mark.parametrize("args,env", [
-    (["--no-such-flag"], {}),
-    (["--bucket-cap-mb", "25", "abc"], {}),
-    (["--steps", "0"], {}),
-    (["--comm-hook", "none", "fp8"], {}),
-    (["--powersgd-warmup", "1"], {}),
-    (["--plot", "scaling.txt"], {}),
-    (["--strong", "--batch-size", "3", "--max-procs", "2"], {}),   # 3 does not split over 2 ranks
-    (["--quick"], {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}),  # launched by torchrun
-    pytest.param(["--backend", "nccl"], {}, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="GPU")),
-])
+
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["--no-such-flag"], {}),
+        (["--bucket-cap-mb", "25", "abc"], {}),
+        (["--steps", "0"], {}),
+        (["--comm-hook", "none", "fp8"], {}),
+        (["--powersgd-warmup", "1"], {}),
+        (["--plot", "scaling.txt"], {}),
+        (
+            ["--strong", "--batch-size", "3", "--max-procs", "2"],
+            {},
+        ),  # 3 does not split over 2 ranks
+        (["--quick"], {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}),  # launched by torchrun
+        pytest.param(
+            ["--backend", "nccl"],
+            {},
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="GPU"),
+        ),
+    ],
+)
 def test_bad_flags_give_one_error_line(args, env, capsys, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -217,4 +284,6 @@ def test_bad_flags_give_one_error_line(args, env, capsys, monkeypatch):
 
 def test_a_mistake_on_the_command_line_is_one_line_and_no_traceback():
     r = run_python("ddp_benchmark.py", "--comm-hook", "int8", timeout=TIMEOUT)
-    assert len(assert_clean_failure(r, code=2)) == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert len(assert_clean_failure(r, code=2)) == 1 and len(r.stderr.strip().splitlines()) == 1, (
+        r.stderr
+    )

@@ -1,5 +1,6 @@
 """ddp_common: the helper under torchrun and mp.spawn (srun: tests/test_slurm.py), its errors,
 its restart store, and its checkpoint functions."""
+
 import json
 import os
 import socket
@@ -8,17 +9,27 @@ from datetime import timedelta
 
 import pytest
 import torch
+from conftest import (
+    cpu_env,
+    error_lines,
+    free_port,
+    init_spawned,
+    run,
+    run_python,
+    run_torchrun,
+    spawn,
+)
 
 import ddp_common
-from conftest import cpu_env, error_lines, free_port, init_spawned, run, run_python, \
-    run_torchrun, spawn
 
 PROBE = "tests/probe_setup.py"
 
 
 def probe_records(result):
-    return sorted((json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")),
-                  key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")),
+        key=lambda r: r["rank"],
+    )
 
 
 def test_setup_under_torchrun():
@@ -38,20 +49,30 @@ def _spawned_probe(rank, world_size, port, out_dir):
     t = torch.tensor([float(rank + 1)])
     torch.distributed.all_reduce(t)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"rank": ddp.rank, "world": ddp.world_size, "launcher": ddp.launcher,
-                   "local_rank": ddp.local_rank, "sum": t.item()}, f)
+        json.dump(
+            {
+                "rank": ddp.rank,
+                "world": ddp.world_size,
+                "launcher": ddp.launcher,
+                "local_rank": ddp.local_rank,
+                "sum": t.item(),
+            },
+            f,
+        )
     ddp_common.cleanup()
 
 
 def test_setup_under_mp_spawn(tmp_path):
     spawn(_spawned_probe, 3, str(tmp_path))
     recs = [json.load(open(tmp_path / f"{r}.json")) for r in range(3)]
-    assert [(r["rank"], r["local_rank"], r["world"], r["launcher"]) for r in recs] == \
-        [(r, r, 3, "spawn") for r in range(3)]
+    assert [(r["rank"], r["local_rank"], r["world"], r["launcher"]) for r in recs] == [
+        (r, r, 3, "spawn") for r in range(3)
+    ]
     assert all(r["sum"] == 6.0 for r in recs)
 
 
 # ---- launch mistakes: one `error:` line, non-zero exit, no hang, no traceback ----
+
 
 def assert_one_error(result, code, *words):
     errs = error_lines(result)
@@ -81,8 +102,14 @@ def test_port_in_use_names_the_port():
 
 
 def test_missing_rank_times_out_with_one_line_instead_of_hanging():
-    env = cpu_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=free_port(), DDP_TIMEOUT=2)
+    env = cpu_env(
+        RANK=0,
+        LOCAL_RANK=0,
+        WORLD_SIZE=2,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=free_port(),
+        DDP_TIMEOUT=2,
+    )
     assert_one_error(run_python(PROBE, timeout=60, env=env), 1, "rank 0", "2 ranks")
 
 
@@ -104,21 +131,33 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch, capsys):
 
 # ---- the launcher environment: the GPU index, and torchrun's shared store ----
 
+
 def _env(monkeypatch, **env):
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID"):
+    for k in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "SLURM_PROCID",
+    ):
         monkeypatch.delenv(k, raising=False)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1, **env}.items():
         monkeypatch.setenv(k, str(v))
 
 
-@pytest.mark.parametrize("env,local_rank", [
-    (dict(RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2), 1),  # one node: the global rank is the GPU
-    (dict(RANK=0, WORLD_SIZE=1), 0),
-    (dict(RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2), 1),
-    (dict(RANK=3, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2), None),  # node 1 of 2: GPU 3 would be wrong
-    (dict(RANK=1, WORLD_SIZE=2), None),  # how many nodes? unknown: never guess
-])
+@pytest.mark.parametrize(
+    "env,local_rank",
+    [
+        (dict(RANK=1, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2), 1),  # one node: the global rank is the GPU
+        (dict(RANK=0, WORLD_SIZE=1), 0),
+        (dict(RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2), 1),
+        (dict(RANK=3, WORLD_SIZE=4, LOCAL_WORLD_SIZE=2), None),  # node 1 of 2: GPU 3 would be wrong
+        (dict(RANK=1, WORLD_SIZE=2), None),  # how many nodes? unknown: never guess
+    ],
+)
 def test_local_rank_is_not_guessed_from_the_global_rank(monkeypatch, capsys, env, local_rank):
     _env(monkeypatch, **env)
     if local_rank is not None:
@@ -135,8 +174,15 @@ def test_torchrun_shared_store_gets_one_namespace_per_attempt(monkeypatch, capsy
     2+ nodes and restarts rank 0 warns once; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the
     agent (workers see TORCHELASTIC_USE_AGENT_STORE=False) setup takes the plain env:// path."""
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    _env(monkeypatch, TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT=server.port, RANK=0,
-         GROUP_WORLD_SIZE=1, TORCHELASTIC_MAX_RESTARTS=1, TORCHELASTIC_RESTART_COUNT=1)
+    _env(
+        monkeypatch,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        MASTER_PORT=server.port,
+        RANK=0,
+        GROUP_WORLD_SIZE=1,
+        TORCHELASTIC_MAX_RESTARTS=1,
+        TORCHELASTIC_RESTART_COUNT=1,
+    )
     ddp_common._torchrun_shared_store(2, timedelta(seconds=10)).set("key", "new")
     assert server.check(["attempt1/key"]) and server.get("attempt1/key") == b"new"
     assert capsys.readouterr().err == ""  # one node: no warning
@@ -149,6 +195,7 @@ def test_torchrun_shared_store_gets_one_namespace_per_attempt(monkeypatch, capsy
 
 
 # ---- checkpoints ----
+
 
 def test_save_is_atomic_and_load_restores(tmp_path):
     path = str(tmp_path / "ck" / "model.pt")
@@ -185,7 +232,9 @@ def test_load_checkpoint_loads_to_the_cpu_unless_told(tmp_path, monkeypatch):
     path = str(tmp_path / "model.pt")
     ddp_common.save_checkpoint({"model": torch.nn.Linear(3, 2).state_dict()}, path)
     real_load, seen = torch.load, []
-    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k["map_location"]) or real_load(*a, **k))
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: seen.append(k["map_location"]) or real_load(*a, **k)
+    )
     ddp_common.load_checkpoint(path, model=torch.nn.Linear(3, 2))
     ddp_common.load_checkpoint(path, torch.device("cpu"), model=torch.nn.Linear(3, 2))
     assert seen == ["cpu", torch.device("cpu")]
@@ -195,12 +244,14 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     """A process killed while writing the temp file leaves the old checkpoint loadable."""
     path = tmp_path / "model.pt"
     ddp_common.save_checkpoint({"step": torch.tensor(1)}, str(path))
-    code = ("import os, torch, ddp_common\n"
-            "real = torch.save\n"
-            "def dying_save(obj, f):\n"
-            "    f.write(b'half a checkpoint'); f.flush(); os._exit(9)\n"
-            "torch.save = dying_save\n"
-            f"ddp_common.save_checkpoint({{'step': torch.tensor(2)}}, {str(path)!r})\n")
+    code = (
+        "import os, torch, ddp_common\n"
+        "real = torch.save\n"
+        "def dying_save(obj, f):\n"
+        "    f.write(b'half a checkpoint'); f.flush(); os._exit(9)\n"
+        "torch.save = dying_save\n"
+        f"ddp_common.save_checkpoint({{'step': torch.tensor(2)}}, {str(path)!r})\n"
+    )
     result = run([sys.executable, "-c", code], timeout=60)
     assert result.returncode == 9
     assert ddp_common.load_checkpoint(str(path), "cpu")["step"].item() == 1

@@ -1,6 +1,7 @@
 """Speed work must not change the maths: lesson 5's chunked loss is F.cross_entropy, value and gradients;
 bench/compare.py measures what it says (parsers, MFU count, errors) and, where Lightning and a nanoGPT
 checkout are present, runs end to end."""
+
 import importlib.util
 import os
 import sys
@@ -8,11 +9,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ROOT, assert_clean_failure, assert_ok, run_python
 
 sys.path.insert(0, str(ROOT / "bench"))
 import compare  # noqa: E402
+
 import gpt2_ddp  # noqa: E402
 
 
@@ -23,7 +24,9 @@ def reference_loss(x, w, targets, vocab):
     return F.cross_entropy(logits, targets)
 
 
-@pytest.mark.parametrize("rows,chunk", [(300, 2**22), (64, 2**22), (7, 64 * 5)])  # 4 chunks; 1; 5 rows + 2
+@pytest.mark.parametrize(
+    "rows,chunk", [(300, 2**22), (64, 2**22), (7, 64 * 5)]
+)  # 4 chunks; 1; 5 rows + 2
 def test_chunked_loss_is_cross_entropy_with_the_same_gradients(rows, chunk, monkeypatch):
     monkeypatch.setitem(gpt2_ddp.LOSS_CHUNK, "cpu", chunk)
     vocab, padded = 50257, 50304
@@ -37,7 +40,9 @@ def test_chunked_loss_is_cross_entropy_with_the_same_gradients(rows, chunk, monk
     ours = gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, True)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
     for a, b in zip(torch.autograd.grad(3 * ours, [x, w]), torch.autograd.grad(3 * ref, [x, w])):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)  # the incoming gradient (3) is applied
+        torch.testing.assert_close(
+            a, b, rtol=1e-4, atol=1e-7
+        )  # the incoming gradient (3) is applied
     with torch.no_grad():  # evaluation: the loss only
         torch.testing.assert_close(gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, False), ref.detach())
 
@@ -54,9 +59,13 @@ def test_chunked_loss_under_autocast_matches_autograd(dtype, monkeypatch):
     with torch.autocast("cpu", dtype=dtype):
         ref, ours = reference_loss(x, w, t, 50257), gpt2_ddp.LMHeadLoss.apply(x, w, t, 50257, True)
     torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
-    scale, others = 2.0 ** 16, torch.ones(50304, dtype=torch.bool).index_fill_(0, t, False)
+    scale, others = 2.0**16, torch.ones(50304, dtype=torch.bool).index_fill_(0, t, False)
     (dx, dw), (rx, rw) = (torch.autograd.grad(loss * scale, [x, w]) for loss in (ours, ref))
-    for a, b in ((dx, rx), (dw, rw), (dw[others], rw[others])):  # others: the softmax part alone, small
+    for a, b in (
+        (dx, rx),
+        (dw, rw),
+        (dw[others], rw[others]),
+    ):  # others: the softmax part alone, small
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
@@ -80,7 +89,9 @@ def test_model_loss_and_every_gradient_match_full_logits():
 
 
 def test_last_position_logits_cover_the_real_tokens_only():
-    cfg = gpt2_ddp.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)  # padded to 128
+    cfg = gpt2_ddp.GPTConfig(
+        n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100
+    )  # padded to 128
     model = gpt2_ddp.GPT(cfg)
     with torch.no_grad():
         model.wte.weight[100:] = 100.0  # padding rows would win if they were logits
@@ -89,21 +100,31 @@ def test_last_position_logits_cover_the_real_tokens_only():
 
 
 def test_flops_per_token_is_nanogpts_count():
-    n = 12 * (12 * 768 ** 2 + 13 * 768) + 50304 * 768 + 2 * 768  # blocks, tied wte (padded), ln_f; no wpe
+    n = (
+        12 * (12 * 768**2 + 13 * 768) + 50304 * 768 + 2 * 768
+    )  # blocks, tied wte (padded), ln_f; no wpe
     assert compare.flops_per_token("124m") == 6 * n + 12 * 12 * 768 * 1024
 
 
 def test_interval_rate_is_the_harmonic_mean_after_warmup():
-    out = "\n".join(["step 0/20 | val_loss 9.0",
-                     "epoch 1 | step 5/20 | loss 9 | lr 1e-4 | 100 tokens/s | eta 3s",      # warm-up: left out
-                     "epoch 1 | step 10/20 | loss 8 | lr 1e-4 | 1000 tokens/s | eta 2s",
-                     "epoch 1 | step 15/20 | loss 7 | lr 1e-4 | 3000 tokens/s | eta 1s",
-                     "epoch 1 | step 15/20 | val_loss 7.5"])
-    assert compare.interval_rate(out, "tokens/s", warmup=5) == pytest.approx(1500)  # 2 / (1/1000 + 1/3000)
+    out = "\n".join(
+        [
+            "step 0/20 | val_loss 9.0",
+            "epoch 1 | step 5/20 | loss 9 | lr 1e-4 | 100 tokens/s | eta 3s",  # warm-up: left out
+            "epoch 1 | step 10/20 | loss 8 | lr 1e-4 | 1000 tokens/s | eta 2s",
+            "epoch 1 | step 15/20 | loss 7 | lr 1e-4 | 3000 tokens/s | eta 1s",
+            "epoch 1 | step 15/20 | val_loss 7.5",
+        ]
+    )
+    assert compare.interval_rate(out, "tokens/s", warmup=5) == pytest.approx(
+        1500
+    )  # 2 / (1/1000 + 1/3000)
 
 
 def test_bad_nanogpt_dir_is_one_error_line(tmp_path):
-    errs = assert_clean_failure(run_python("bench/compare.py", "--only", "gpt", "--nanogpt", tmp_path), code=2)
+    errs = assert_clean_failure(
+        run_python("bench/compare.py", "--only", "gpt", "--nanogpt", tmp_path), code=2
+    )
     assert "no train.py" in errs[0]
 
 
@@ -111,12 +132,36 @@ NANOGPT = os.environ.get("NANOGPT_DIR", "")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (importlib.util.find_spec("lightning") and os.path.isfile(os.path.join(NANOGPT, "train.py"))),
-                    reason="needs lightning installed and NANOGPT_DIR set to a nanoGPT checkout (no network in CI)")
+@pytest.mark.skipif(
+    not (
+        importlib.util.find_spec("lightning") and os.path.isfile(os.path.join(NANOGPT, "train.py"))
+    ),
+    reason="needs lightning installed and NANOGPT_DIR set to a nanoGPT checkout (no network in CI)",
+)
 def test_compare_runs_end_to_end(tmp_path):
-    result = run_python("bench/compare.py", "--pairs", "1", "--procs", "2", "--gpt-steps", "12", "--cifar-steps",
-                        "12", "--warmup", "6", "--nanogpt", NANOGPT, "--work", tmp_path, timeout=900)
+    result = run_python(
+        "bench/compare.py",
+        "--pairs",
+        "1",
+        "--procs",
+        "2",
+        "--gpt-steps",
+        "12",
+        "--cifar-steps",
+        "12",
+        "--warmup",
+        "6",
+        "--nanogpt",
+        NANOGPT,
+        "--work",
+        tmp_path,
+        timeout=900,
+    )
     assert_ok(result)
-    rows = [l for l in result.stdout.splitlines() if l.startswith(("GPT-2 tiny, 2 proc", "ResNet-18 CIFAR, 2 x 32"))]
+    rows = [
+        l
+        for l in result.stdout.splitlines()
+        if l.startswith(("GPT-2 tiny, 2 proc", "ResNet-18 CIFAR, 2 x 32"))
+    ]
     assert len(rows) == 2 and all(float(r.split()[-4].rstrip("x")) > 0 for r in rows), result.stdout
     assert "DDP at world size 1" in result.stdout

@@ -4,6 +4,7 @@ alone without a hang, the tiktoken gpt2 path works (a small custom Encoding, and
 files when tests/gpt2_bpe_cache.sh filled TIKTOKEN_CACHE_DIR), failures are one line; Hugging
 Face GPT-2 weights load with transformers' logits, fine-tune on 2 ranks and export back into
 transformers; a resumed run is bitwise the uninterrupted one; gradients stay in DDP's buckets."""
+
 import os
 import random
 import re
@@ -16,19 +17,34 @@ import pytest
 import tiktoken
 import torch
 import torch.distributed as dist
+from conftest import (
+    ROOT,
+    assert_clean_failure,
+    assert_ok,
+    cpu_env,
+    init_spawned,
+    run_python,
+    run_torchrun,
+    spawn,
+)
 
 import ddp_common
 import gpt2_ddp
-from conftest import (ROOT, assert_clean_failure, assert_ok, cpu_env, init_spawned,
-                      run_python, run_torchrun, spawn)
 
-DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9",
-              "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
-              "no_proxy": "", "NO_PROXY": ""}  # any download fails at once, online or not
+DEAD_PROXY = {
+    "https_proxy": "http://127.0.0.1:9",
+    "http_proxy": "http://127.0.0.1:9",
+    "HTTPS_PROXY": "http://127.0.0.1:9",
+    "HTTP_PROXY": "http://127.0.0.1:9",
+    "no_proxy": "",
+    "NO_PROXY": "",
+}  # any download fails at once, online or not
 TIMEOUT = 240
 # tiktoken's cache names for the two GPT-2 files: sha1 of their download URLs.
-GPT2_CACHE_FILES = ("6d1cbeee0f20b3d9449abfede4726ed8212e3aee",   # vocab.bpe
-                    "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6")   # encoder.json
+GPT2_CACHE_FILES = (
+    "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",  # vocab.bpe
+    "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6",
+)  # encoder.json
 
 
 def write_story(path, n_lines=600, seed=0):
@@ -37,14 +53,18 @@ def write_story(path, n_lines=600, seed=0):
     subj = ["The cat", "A dog", "My friend", "The old man", "Our teacher"]
     verb = ["sat on", "looked at", "walked to", "painted", "found"]
     obj = ["the mat.", "the door.", "a red box.", "the garden.", "the river."]
-    path.write_text("\n".join(f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}"
-                              for _ in range(n_lines)) + "\n")
+    path.write_text(
+        "\n".join(
+            f"{rng.choice(subj)} {rng.choice(verb)} {rng.choice(obj)}" for _ in range(n_lines)
+        )
+        + "\n"
+    )
     return path
 
 
 def done_fields(result):
     line = next(l for l in result.stdout.splitlines() if l.startswith("done:"))
-    return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: "):]))
+    return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: ") :]))
 
 
 # A small stand-in for GPT-2's BPE: the 256 bytes, a few merges, <|endoftext|> last, GPT-2's
@@ -84,30 +104,34 @@ def val_loss_of(state, cfg, val_tokens, max_length):
 
 # ----------------------------------------------------------------------------- windows, shards
 
-@pytest.mark.parametrize("n,max_length,stride", [(50, 8, 8), (50, 8, 5), (50, 8, 3), (9, 8, 4), (8, 8, 1)])
+
+@pytest.mark.parametrize(
+    "n,max_length,stride", [(50, 8, 8), (50, 8, 5), (50, 8, 3), (9, 8, 4), (8, 8, 1)]
+)
 def test_windows_shift_by_one_respect_stride_and_stay_inside(n, max_length, stride):
     tokens = torch.arange(100, 100 + n)
     ds = gpt2_ddp.TokenWindows(tokens, max_length, stride)
     expected, s = [], 0
-    while s + max_length + 1 <= n:                            # a window needs max_length + 1 tokens
+    while s + max_length + 1 <= n:  # a window needs max_length + 1 tokens
         expected.append(s)
         s += stride
     starts = [int(ds[i][0][0]) - 100 for i in range(len(ds))]
-    assert starts == expected                                 # stride respected, none left out
+    assert starts == expected  # stride respected, none left out
     for i in range(len(ds)):
         x, y = ds[i]
         assert x.shape == y.shape == (max_length,)
-        assert torch.equal(y, x + 1)                          # targets = inputs shifted by one
-        assert int(y[-1]) - 100 <= n - 1                       # no window past the end
+        assert torch.equal(y, x + 1)  # targets = inputs shifted by one
+        assert int(y[-1]) - 100 <= n - 1  # no window past the end
 
 
 def test_shards_are_disjoint_complete_and_reshuffled_every_epoch():
-    train_set = gpt2_ddp.TokenWindows(torch.arange(1000), 16, 7)      # 141 windows
-    val_set = gpt2_ddp.TokenWindows(torch.arange(500), 16, 16)        # 31 windows
+    train_set = gpt2_ddp.TokenWindows(torch.arange(1000), 16, 7)  # 141 windows
+    val_set = gpt2_ddp.TokenWindows(torch.arange(500), 16, 16)  # 31 windows
     n_train, n_val = len(train_set), len(val_set)
     for world in (2, 3, 4):
-        loaders = [gpt2_ddp.build_loaders(train_set, val_set, r, world, 4, seed=0)
-                   for r in range(world)]
+        loaders = [
+            gpt2_ddp.build_loaders(train_set, val_set, r, world, 4, seed=0) for r in range(world)
+        ]
         # validation: each window on exactly one rank, none repeated -> exact all-reduced loss
         val_shards = [list(v.dataset.indices) for _, _, v in loaders]
         flat = sorted(i for s in val_shards for i in s)
@@ -121,16 +145,16 @@ def test_shards_are_disjoint_complete_and_reshuffled_every_epoch():
                 stream = gpt2_ddp.batches(loader, sampler, epoch=epoch)
                 first = [next(stream) for _ in range(len(loader))]  # one epoch of this rank
                 assert {e for e, _, _ in first} == {epoch}
-                ids = [int(i) for _, x, _ in first for i in x[:, 0]]   # arange: token = position
+                ids = [int(i) for _, x, _ in first for i in x[:, 0]]  # arange: token = position
                 shards.append([train_set.starts.index(i) for i in ids])
             counts = [len(s) for s in shards]
-            assert len(set(counts)) == 1                      # same number of steps on every rank
+            assert len(set(counts)) == 1  # same number of steps on every rank
             allids = [i for s in shards for i in s]
-            dropped = set(range(n_train)) - set(allids)       # drop_last batches of the loader
+            dropped = set(range(n_train)) - set(allids)  # drop_last batches of the loader
             assert len(dropped) < world * 4
-            assert len(allids) - len(set(allids)) < world     # padding only
+            assert len(allids) - len(set(allids)) < world  # padding only
             orders[epoch] = shards
-        assert orders[0] != orders[1]                         # set_epoch: a new shuffle each epoch
+        assert orders[0] != orders[1]  # set_epoch: a new shuffle each epoch
     # complete when nothing is dropped by batching: batch 1, 141 windows over 3 ranks
     loaders = [gpt2_ddp.build_loaders(train_set, val_set, r, 3, 1, seed=0) for r in range(3)]
     seen = [int(x[0, 0]) for loader, _, _ in loaders for x, _ in loader]
@@ -143,10 +167,10 @@ def test_model_is_causal_tied_and_has_no_buffers():
     torch.manual_seed(0)
     model = gpt2_ddp.GPT(cfg).eval()
     assert model.lm_head.weight is model.wte.weight
-    assert list(model.buffers()) == []                       # DDP would broadcast a mask buffer
+    assert list(model.buffers()) == []  # DDP would broadcast a mask buffer
     x = torch.randint(0, 64, (1, 16))
     with torch.no_grad():
-        prefix = model(x[:, :10])                             # last-position logits, 10 tokens
+        prefix = model(x[:, :10])  # last-position logits, 10 tokens
         full = model.lm_head(model.ln_f(_hidden(model, x)))[:, 9]  # position 9 of all 16
     torch.testing.assert_close(full, prefix, rtol=1e-4, atol=1e-5)  # tokens 10.. are not seen
 
@@ -160,6 +184,7 @@ def _hidden(model, idx):
 
 # ----------------------------------------------------------------------------- tokenizers
 
+
 def test_bytes_tokenizer_needs_no_download_and_round_trips(tmp_path, monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: pytest.fail("no download"))
     text = "Café <|endoftext|> naïve\n"
@@ -168,8 +193,9 @@ def test_bytes_tokenizer_needs_no_download_and_round_trips(tmp_path, monkeypatch
     assert ids == list(text.encode("utf-8")) and enc.n_vocab == 257
     assert enc.decode(ids) == text
     story = write_story(tmp_path / "s.txt", 40)
-    args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(story), "--max-length", "32",
-                                "--batch-size", "2"])
+    args = gpt2_ddp.parse_args(
+        ["--tokenizer", "bytes", "--text", str(story), "--max-length", "32", "--batch-size", "2"]
+    )
     data = gpt2_ddp.prepare(args, world_size=2)
     tokens = torch.cat([data["train"], data["val"]])
     assert bytes(tokens.tolist()) == story.read_bytes() and data["config"]["vocab_size"] == 257
@@ -186,7 +212,7 @@ def test_gpt2_code_path_with_a_small_custom_encoding(tmp_path, monkeypatch):
     data = gpt2_ddp.prepare(args, world_size=2)
     assert data["config"]["vocab_size"] == enc.n_vocab == 267 and data["tokenizer"] == "gpt2"
     tokens = torch.cat([data["train"], data["val"]])
-    assert len(tokens) < len(story.read_bytes())              # merges were used
+    assert len(tokens) < len(story.read_bytes())  # merges were used
     assert enc.decode(tokens.tolist()) == story.read_text()
     _padding_ids_never_win(enc, data, args)
 
@@ -198,11 +224,15 @@ def _padding_ids_never_win(enc, data, args):
     model = gpt2_ddp.GPT(cfg)
     idx = torch.tensor([enc.encode_ordinary("The cat sat")])
     with torch.no_grad():
-        model.wte.weight[n_vocab:] = 100.0                    # padding rows would win if allowed
+        model.wte.weight[n_vocab:] = 100.0  # padding rows would win if allowed
         logits, loss = model(idx), model(idx[:, :-1], idx[:, 1:])
-        real = model.lm_head(model.ln_f(_hidden(model, idx[:, :-1])))[0, :, :n_vocab]  # padding left out
-    assert logits.shape[-1] == n_vocab                        # the last position: real tokens only
-    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(real, idx[0, 1:]))  # the loss masks them
+        real = model.lm_head(model.ln_f(_hidden(model, idx[:, :-1])))[
+            0, :, :n_vocab
+        ]  # padding left out
+    assert logits.shape[-1] == n_vocab  # the last position: real tokens only
+    torch.testing.assert_close(
+        loss, torch.nn.functional.cross_entropy(real, idx[0, 1:])
+    )  # the loss masks them
 
 
 def gpt2_cache_or_reason(tmp_dir):
@@ -214,9 +244,13 @@ def gpt2_cache_or_reason(tmp_dir):
         return cache, None
     if not shutil.which("npm"):
         return None, "no GPT-2 BPE files in TIKTOKEN_CACHE_DIR and no npm to fetch them"
-    r = subprocess.run(["bash", str(ROOT / "tests" / "gpt2_bpe_cache.sh"), str(tmp_dir)],
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHON=sys.executable))
+    r = subprocess.run(
+        ["bash", str(ROOT / "tests" / "gpt2_bpe_cache.sh"), str(tmp_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
     if r.returncode != 0:
         return None, f"tests/gpt2_bpe_cache.sh failed: {(r.stderr or r.stdout).strip()[-300:]}"
     return str(tmp_dir), None
@@ -234,6 +268,7 @@ def test_gpt2_real_bpe_files_from_the_cache(tmp_path, monkeypatch):
     for k, v in DEAD_PROXY.items():
         monkeypatch.setenv(k, v)
     import requests
+
     monkeypatch.setattr(requests, "get", lambda *a, **k: pytest.fail("network used"))
     enc = gpt2_ddp.load_tokenizer("gpt2")
     assert enc.n_vocab == 50257
@@ -248,18 +283,23 @@ def test_gpt2_real_bpe_files_from_the_cache(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- Hugging Face weights
 
+
 def hf_gpt2(out_dir, seed=0):
     """A transformers GPT-2 with random weights: tiny, but GPT-2's 50,257-token vocabulary, so the
     embedding is padded to 50,304 on the way in and cut back on the way out."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257))
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
+    )
     model.save_pretrained(out_dir)
     return model.eval()
 
 
 def hf_logits(hf_dir, tokens):
     from transformers import GPT2LMHeadModel
+
     with torch.no_grad():
         return GPT2LMHeadModel.from_pretrained(hf_dir).eval()(tokens).logits
 
@@ -273,7 +313,7 @@ def test_init_from_a_transformers_dir_gives_its_logits(tmp_path):
     hf = hf_gpt2(tmp_path / "hf")
     path, cfg = gpt2_ddp.pretrained(str(tmp_path / "hf"))
     assert path == str(tmp_path / "hf" / "model.safetensors")
-    assert cfg == gpt2_ddp.GPTConfig(2, 2, 32, 64, 50257)     # from the shapes; n_head: config.json
+    assert cfg == gpt2_ddp.GPTConfig(2, 2, 32, 64, 50257)  # from the shapes; n_head: config.json
     model = gpt2_ddp.GPT(cfg)
     gpt2_ddp.load_hf_weights(model, path)
     assert model.lm_head.weight is model.wte.weight and model.wte.weight.shape[0] == 50304
@@ -281,13 +321,16 @@ def test_init_from_a_transformers_dir_gives_its_logits(tmp_path):
     with torch.no_grad():
         expected = hf(tokens).logits
     torch.testing.assert_close(our_logits(model, tokens, 50257), expected, rtol=1e-4, atol=1e-5)
-    with torch.no_grad():   # the lesson's own forward: the loss equals transformers' loss
+    with torch.no_grad():  # the lesson's own forward: the loss equals transformers' loss
         loss = model.train()(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-        ref = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, 50257), tokens[:, 1:].reshape(-1))
+        ref = torch.nn.functional.cross_entropy(
+            expected[:, :-1].reshape(-1, 50257), tokens[:, 1:].reshape(-1)
+        )
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- 2-rank training
+
 
 def _fine_tune_rank(rank, world_size, port, argv, out_dir):
     """A spawned rank runs the lesson's own data + training code three times in one group, with a
@@ -295,14 +338,18 @@ def _fine_tune_rank(rank, world_size, port, argv, out_dir):
     3 steps; the same job resumed from those 3 to 6. Each run saves what this rank holds."""
     tiktoken.get_encoding = lambda name: tiny_bpe_encoding(50257)
     ddp = init_spawned(rank, world_size, port)
-    runs = {"straight": ["--max-steps", "6", "--checkpoint-dir", f"{out_dir}/ck"],
-            "half": ["--max-steps", "3", "--checkpoint-dir", f"{out_dir}/ck2"],
-            "resumed": ["--max-steps", "6", "--checkpoint-dir", f"{out_dir}/ck2", "--resume", "auto"]}
+    runs = {
+        "straight": ["--max-steps", "6", "--checkpoint-dir", f"{out_dir}/ck"],
+        "half": ["--max-steps", "3", "--checkpoint-dir", f"{out_dir}/ck2"],
+        "resumed": ["--max-steps", "6", "--checkpoint-dir", f"{out_dir}/ck2", "--resume", "auto"],
+    }
     for name, extra in runs.items():
         args = gpt2_ddp.parse_args(argv + extra)
         model, res = gpt2_ddp.train(args, ddp, gpt2_ddp.prepare(args, world_size))
-        torch.save({"model": model.state_dict(), "val_losses": res["val_losses"]},
-                   os.path.join(out_dir, f"{name}{rank}.pt"))
+        torch.save(
+            {"model": model.state_dict(), "val_losses": res["val_losses"]},
+            os.path.join(out_dir, f"{name}{rank}.pt"),
+        )
         if rank == 0 and name == "straight":
             gpt2_ddp.export_hf(model, os.path.join(out_dir, "export"))
         del model
@@ -315,8 +362,26 @@ def fine_tuned(tmp_path_factory):
     out = tmp_path_factory.mktemp("fine_tune")
     hf_gpt2(out / "hf")
     story = write_story(out / "s.txt", 60)
-    argv = ["--init-from", str(out / "hf"), "--text", str(story), "--max-length", "32", "--batch-size", "4",
-            "--accum-steps", "2", "--save-every", "3", "--lr", "3e-3", "--warmup-steps", "2", "--log-every", "3"]
+    argv = [
+        "--init-from",
+        str(out / "hf"),
+        "--text",
+        str(story),
+        "--max-length",
+        "32",
+        "--batch-size",
+        "4",
+        "--accum-steps",
+        "2",
+        "--save-every",
+        "3",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "2",
+        "--log-every",
+        "3",
+    ]
     tiktoken.get_encoding, real = (lambda name: tiny_bpe_encoding(50257)), tiktoken.get_encoding
     try:
         data = gpt2_ddp.prepare(gpt2_ddp.parse_args(argv), 2)
@@ -333,42 +398,62 @@ def test_two_ranks_fine_tune_identically_with_exact_val_loss_and_export_to_trans
     assert r0["model"].keys() == r1["model"].keys()
     for k in r0["model"]:
         assert torch.equal(r0["model"][k], r1["model"][k]), f"ranks differ in {k}"
-    assert r0["val_losses"] == r1["val_losses"]               # one all-reduced value everywhere
+    assert r0["val_losses"] == r1["val_losses"]  # one all-reduced value everywhere
     losses = [v for _, v in r0["val_losses"]]
     assert [s for s, _ in r0["val_losses"]] == [0, 3, 6] and losses[-1] < 0.95 * losses[0], losses
     ck = torch.load(out / "ck" / "gpt2.pt", weights_only=True)
-    assert ck["step"] == 6 and ck["config"]["vocab_size"] == 50257 and ck["model"]["wte.weight"].shape[0] == 50304
+    assert (
+        ck["step"] == 6
+        and ck["config"]["vocab_size"] == 50257
+        and ck["model"]["wte.weight"].shape[0] == 50304
+    )
     for k in r0["model"]:
         assert torch.equal(ck["model"][k], r0["model"][k])
     # the all-reduced loss equals the loss over all validation windows computed in one process
-    assert losses[-1] == pytest.approx(val_loss_of(ck["model"], ck["config"], data["val"], 32), rel=1e-5)
+    assert losses[-1] == pytest.approx(
+        val_loss_of(ck["model"], ck["config"], data["val"], 32), rel=1e-5
+    )
     # the export opens in transformers with the fine-tuned weights: the same logits, 50,257 of them
     model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ck["config"]))
     model.load_state_dict(ck["model"])
     tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(hf_logits(out / "export", tokens), our_logits(model, tokens, 50257),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        hf_logits(out / "export", tokens), our_logits(model, tokens, 50257), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.slow
 def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
     out, data = fine_tuned
-    loader = gpt2_ddp.build_loaders(gpt2_ddp.TokenWindows(data["train"], 32, 32),
-                                    gpt2_ddp.TokenWindows(data["val"], 32, 32), 0, 2, 4, 0)[0]
+    loader = gpt2_ddp.build_loaders(
+        gpt2_ddp.TokenWindows(data["train"], 32, 32),
+        gpt2_ddp.TokenWindows(data["val"], 32, 32),
+        0,
+        2,
+        4,
+        0,
+    )[0]
     epoch, skip = divmod(3 * 2, len(loader))
-    assert epoch >= 1 and skip > 0                            # it resumes inside a later epoch
+    assert epoch >= 1 and skip > 0  # it resumes inside a later epoch
     for rank in (0, 1):
-        straight, resumed = (torch.load(out / f"{n}{rank}.pt", weights_only=True) for n in ("straight", "resumed"))
+        straight, resumed = (
+            torch.load(out / f"{n}{rank}.pt", weights_only=True) for n in ("straight", "resumed")
+        )
         for k in straight["model"]:
-            assert torch.equal(straight["model"][k], resumed["model"][k]), f"rank {rank}: {k} differs"
+            assert torch.equal(straight["model"][k], resumed["model"][k]), (
+                f"rank {rank}: {k} differs"
+            )
         assert straight["val_losses"] == resumed["val_losses"] and len(resumed["val_losses"]) == 3
     half = torch.load(out / "half0.pt", weights_only=True)
-    assert not torch.equal(half["model"]["wte.weight"], straight["model"]["wte.weight"])  # it did train on
+    assert not torch.equal(
+        half["model"]["wte.weight"], straight["model"]["wte.weight"]
+    )  # it did train on
 
 
 def fake_group(world_size):
     """A process group of `world_size` in this one process; its collectives do nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     return types.SimpleNamespace(device=torch.device("cpu"), world_size=world_size)
 
@@ -380,7 +465,11 @@ def keep_bucket(_, bucket):
     return future
 
 
-TINY = {"config": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64), "init": None, "resume": None}
+TINY = {
+    "config": dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64),
+    "init": None,
+    "resume": None,
+}
 
 
 def test_gradients_stay_in_ddp_buckets_and_one_process_is_not_wrapped():
@@ -392,24 +481,42 @@ def test_gradients_stay_in_ddp_buckets_and_one_process_is_not_wrapped():
         try:
             args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", "unused"])
             model, ddp_model, optimizer, scaler, _, _ = gpt2_ddp.build(args, ddp, TINY)
-            assert isinstance(ddp_model, gpt2_ddp.DDP) == (world_size > 1) and (ddp_model is model) == (world_size == 1)
-            if world_size > 1:  # the fake group's all-reduce returns nothing: a hook that keeps the bucket
+            assert isinstance(ddp_model, gpt2_ddp.DDP) == (world_size > 1) and (
+                ddp_model is model
+            ) == (world_size == 1)
+            if (
+                world_size > 1
+            ):  # the fake group's all-reduce returns nothing: a hook that keeps the bucket
                 ddp_model.register_comm_hook(None, keep_bucket)
             x, pointers = torch.randint(0, 64, (2, 8)), []
             for _ in range(4):
                 before = [p.detach().clone() for p in model.parameters()]
-                gpt2_ddp.train_step(ddp_model, optimizer, scaler, [(x, x), (x, x)], 1.0,
-                                    torch.autocast("cpu", enabled=False))
-                assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.dim() > 1)  # it trained
+                gpt2_ddp.train_step(
+                    ddp_model,
+                    optimizer,
+                    scaler,
+                    [(x, x), (x, x)],
+                    1.0,
+                    torch.autocast("cpu", enabled=False),
+                )
+                assert all(
+                    not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.dim() > 1
+                )  # it trained
                 if world_size == 1:
-                    assert all(p.grad is None for p in model.parameters())  # set to None: no zeroing, no adding
+                    assert all(
+                        p.grad is None for p in model.parameters()
+                    )  # set to None: no zeroing, no adding
                     continue
-                assert all(p.grad is not None for p in model.parameters())   # not set to None
+                assert all(p.grad is not None for p in model.parameters())  # not set to None
                 pointers.append([p.grad.data_ptr() for p in model.parameters()])
             if world_size > 1:
-                assert pointers[1] == pointers[2] == pointers[3]   # (DDP rebuilds its buckets after step 1)
+                assert (
+                    pointers[1] == pointers[2] == pointers[3]
+                )  # (DDP rebuilds its buckets after step 1)
                 storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-                assert len(storages) < len(list(model.parameters()))  # views into shared bucket storage
+                assert len(storages) < len(
+                    list(model.parameters())
+                )  # views into shared bucket storage
         finally:
             dist.destroy_process_group()
 
@@ -432,14 +539,34 @@ def test_compile_wraps_the_ddp_model(monkeypatch):
         finally:
             dist.destroy_process_group()
 
+
 @pytest.mark.slow
 def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
     story = write_story(tmp_path / "s.txt")
     ck = tmp_path / "ck"
-    result = run_python("gpt2_ddp.py", "--nproc", "2", "--tokenizer", "bytes", "--text", story,
-                        "--max-length", "64", "--max-steps", "30", "--lr", "3e-3",
-                        "--log-every", "10", "--checkpoint-dir", ck,
-                        "--export-hf", tmp_path / "export", timeout=TIMEOUT, env=cpu_env(**DEAD_PROXY))
+    result = run_python(
+        "gpt2_ddp.py",
+        "--nproc",
+        "2",
+        "--tokenizer",
+        "bytes",
+        "--text",
+        story,
+        "--max-length",
+        "64",
+        "--max-steps",
+        "30",
+        "--lr",
+        "3e-3",
+        "--log-every",
+        "10",
+        "--checkpoint-dir",
+        ck,
+        "--export-hf",
+        tmp_path / "export",
+        timeout=TIMEOUT,
+        env=cpu_env(**DEAD_PROXY),
+    )
     assert_ok(result)
     assert result.stderr.strip() == "", result.stderr[-2000:]
     done = done_fields(result)
@@ -447,17 +574,19 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
     ckpt = torch.load(ck / "gpt2.pt", weights_only=True)
     losses = [v for _, v in ckpt["val_losses"]]
     assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 30
-    assert losses[-1] < 0.6 * losses[0], losses               # validation loss went down
+    assert losses[-1] < 0.6 * losses[0], losses  # validation loss went down
     assert float(done["val_loss"]) == pytest.approx(losses[-1], abs=1e-4)
-    data = gpt2_ddp.prepare(gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(story),
-                                                 "--max-length", "64"]), 2)
+    data = gpt2_ddp.prepare(
+        gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(story), "--max-length", "64"]), 2
+    )
     ref = val_loss_of(ckpt["model"], ckpt["config"], data["val"], 64)
-    assert losses[-1] == pytest.approx(ref, rel=1e-5)         # exact over both ranks' shards
-    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ckpt["config"]))   # --export-hf: the final weights
+    assert losses[-1] == pytest.approx(ref, rel=1e-5)  # exact over both ranks' shards
+    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ckpt["config"]))  # --export-hf: the final weights
     model.load_state_dict(ckpt["model"])
     tokens = data["val"][:64][None]
-    torch.testing.assert_close(hf_logits(tmp_path / "export", tokens), our_logits(model, tokens, 257),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        hf_logits(tmp_path / "export", tokens), our_logits(model, tokens, 257), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.slow
@@ -470,9 +599,21 @@ def test_torchrun_launch_with_the_gpt2_path(tmp_path):
     story = write_story(tmp_path / "s.txt")
     env = cpu_env(**DEAD_PROXY)
     env["PYTHONPATH"] = f"{site}{os.pathsep}{ROOT}"
-    result = run_torchrun("gpt2_ddp.py", "--text", story, "--max-length", "32", "--max-steps", "4",
-                          "--save-every", "4", "--checkpoint-dir", tmp_path / "ck",
-                          timeout=TIMEOUT, env=env)
+    result = run_torchrun(
+        "gpt2_ddp.py",
+        "--text",
+        story,
+        "--max-length",
+        "32",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "4",
+        "--checkpoint-dir",
+        tmp_path / "ck",
+        timeout=TIMEOUT,
+        env=env,
+    )
     assert_ok(result)
     done = done_fields(result)
     assert done["tokenizer"] == "gpt2" and done["world"] == "2" and done["steps"] == "4"
@@ -481,6 +622,7 @@ def test_torchrun_launch_with_the_gpt2_path(tmp_path):
 
 
 # ----------------------------------------------------------------------------- failures
+
 
 def test_missing_gpt2_files_offline_is_one_line(tmp_path):
     story = write_story(tmp_path / "s.txt", 100)
@@ -494,23 +636,33 @@ def test_missing_gpt2_files_offline_is_one_line(tmp_path):
 def test_init_from_gpt2_offline_without_a_cache_is_one_line(tmp_path):
     story = write_story(tmp_path / "s.txt", 100)
     env = cpu_env(HF_HUB_OFFLINE="1", HF_HOME=tmp_path / "empty-hf-home", **DEAD_PROXY)
-    result = run_python("gpt2_ddp.py", "--nproc", "2", "--init-from", "gpt2", "--text", story,
-                        timeout=60, env=env)
+    result = run_python(
+        "gpt2_ddp.py", "--nproc", "2", "--init-from", "gpt2", "--text", story, timeout=60, env=env
+    )
     errs = assert_clean_failure(result, code=1)
     assert len(errs) == 1 and "Traceback" not in result.stderr
-    assert "openai-community/gpt2" in errs[0] and "HF_HOME" in errs[0] and "--init-from PATH" in errs[0]
+    assert (
+        "openai-community/gpt2" in errs[0]
+        and "HF_HOME" in errs[0]
+        and "--init-from PATH" in errs[0]
+    )
 
 
 def test_user_mistakes_are_one_line_exit_2(tmp_path):
-    result = run_python("gpt2_ddp.py", "--text", tmp_path / "nope.txt", "--tokenizer", "bytes",
-                        timeout=TIMEOUT)
+    result = run_python(
+        "gpt2_ddp.py", "--text", tmp_path / "nope.txt", "--tokenizer", "bytes", timeout=TIMEOUT
+    )
     assert len(assert_clean_failure(result, code=2)) == 1
     short = write_story(tmp_path / "short.txt", 3)
-    result = run_python("gpt2_ddp.py", "--nproc", "2", "--text", short, "--tokenizer", "bytes",
-                        timeout=TIMEOUT)
+    result = run_python(
+        "gpt2_ddp.py", "--nproc", "2", "--text", short, "--tokenizer", "bytes", timeout=TIMEOUT
+    )
     assert len(assert_clean_failure(result, code=2)) == 1 and "Traceback" not in result.stderr
-    hf_gpt2(tmp_path / "hf")                                  # GPT-2's 50,257 ids, not 257 bytes
-    for bad in (["--init-from", tmp_path / "no-such-dir"], ["--init-from", tmp_path / "hf", "--tokenizer", "bytes"]):
+    hf_gpt2(tmp_path / "hf")  # GPT-2's 50,257 ids, not 257 bytes
+    for bad in (
+        ["--init-from", tmp_path / "no-such-dir"],
+        ["--init-from", tmp_path / "hf", "--tokenizer", "bytes"],
+    ):
         result = run_python("gpt2_ddp.py", "--text", short, *bad, timeout=TIMEOUT)
         assert len(assert_clean_failure(result, code=2)) == 1 and "--init-from" in result.stderr
 
@@ -522,9 +674,22 @@ def test_a_failing_worker_is_one_line_and_nonzero_from_the_parent(tmp_path):
     story = write_story(tmp_path / "s.txt", 200)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = run_python("gpt2_ddp.py", "--nproc", "2", "--text", story, "--tokenizer", "bytes",
-                        "--max-length", "32", "--max-steps", "1", "--checkpoint-dir", blocker,
-                        timeout=TIMEOUT)
+    result = run_python(
+        "gpt2_ddp.py",
+        "--nproc",
+        "2",
+        "--text",
+        story,
+        "--tokenizer",
+        "bytes",
+        "--max-length",
+        "32",
+        "--max-steps",
+        "1",
+        "--checkpoint-dir",
+        blocker,
+        timeout=TIMEOUT,
+    )
     errs = assert_clean_failure(result, code=1)
     assert result.stderr.strip().splitlines() == errs, result.stderr  # nothing but the one line
     assert "rank 0" in errs[0] and "Traceback" not in result.stdout

@@ -2,6 +2,7 @@
 checkpoint. Real ranks on gloo/CPU: one mp.spawn of 2 processes runs every training scenario
 through the lesson's own train() (a fresh process group per scenario) and counts the bytes each
 hook hands to all-reduce; a torchrun launch checks the command line end to end."""
+
 import gc
 import math
 import os
@@ -11,10 +12,19 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import (
+    ROOT,
+    assert_clean_failure,
+    assert_ok,
+    flat_tensors,
+    free_port,
+    init_spawned,
+    run,
+    run_torchrun,
+    spawn,
+)
 
 import ddp_knobs as K
-from conftest import (ROOT, assert_clean_failure, assert_ok, flat_tensors, free_port, init_spawned, run,
-                      run_torchrun, spawn)
 
 BASE = ["--seed", "3", "--log-every", "5", "--samples", "256"]  # 128 samples per rank
 ADAMW = ["--optimizer", "adamw", "--lr", "0.003", "--batch-size", "8", "--max-steps", "10"]
@@ -26,24 +36,52 @@ BN = ["--optimizer", "sgd", "--lr", "0.002", "--max-steps", "10"]
 # (the first half stops inside epoch 2, the second crosses into epoch 3).
 RESUME = ["--samples", "64", "--batch-size", "5", "--epochs", "3"]
 ZRES = RESUME + ["--optimizer", "adamw", "--zero"]
-PRES = RESUME + ["--comm-hook", "powersgd", "--powersgd-warmup", "3", "--powersgd-rank", "1",
-                 "--bucket-cap-mb", "0.01"]  # several buckets: the per-bucket state must land right
+PRES = RESUME + [
+    "--comm-hook",
+    "powersgd",
+    "--powersgd-warmup",
+    "3",
+    "--powersgd-rank",
+    "1",
+    "--bucket-cap-mb",
+    "0.01",
+]  # several buckets: the per-bucket state must land right
 HOOK = ["--samples", "1024", "--batch-size", "8", "--max-steps", "60", "--lr", "0.02"]
 SCENARIOS = {  # name -> (world size, flags); run in this order
-    "adamw": (2, ADAMW), "adamw_zero": (2, ADAMW + ["--zero"]),
-    "sgd": (2, SGD), "sgd_zero": (2, SGD + ["--zero"]),
-    "zstraight": (2, ZRES + ["--max-steps", "15"]), "zhalf": (2, ZRES + ["--max-steps", "8"]),
-    "zplain": (2, [f for f in ZRES if f != "--zero"] + ["--max-steps", "15", "--resume", "{out}/zhalf/last.pt"]),
+    "adamw": (2, ADAMW),
+    "adamw_zero": (2, ADAMW + ["--zero"]),
+    "sgd": (2, SGD),
+    "sgd_zero": (2, SGD + ["--zero"]),
+    "zstraight": (2, ZRES + ["--max-steps", "15"]),
+    "zhalf": (2, ZRES + ["--max-steps", "8"]),
+    "zplain": (
+        2,
+        [f for f in ZRES if f != "--zero"]
+        + ["--max-steps", "15", "--resume", "{out}/zhalf/last.pt"],
+    ),
     "zrest": (2, ZRES + ["--max-steps", "15", "--resume", "auto"]),
-    "pstraight": (2, PRES + ["--max-steps", "15"]), "phalf": (2, PRES + ["--max-steps", "8"]),
+    "pstraight": (2, PRES + ["--max-steps", "15"]),
+    "phalf": (2, PRES + ["--max-steps", "8"]),
     "prest": (2, PRES + ["--max-steps", "15", "--resume", "auto"]),
     "bn_sync_w2": (2, BN + ["--batch-size", "8", "--sync-bn"]),
     "bn_w1": (1, BN + ["--batch-size", "16"]),
     "bn_plain_w2": (2, BN + ["--batch-size", "8"]),
     "hook_fp16": (2, HOOK + ["--comm-hook", "fp16"]),
     "hook_bf16": (2, HOOK + ["--comm-hook", "bf16"]),
-    "hook_powersgd": (2, HOOK + ["--comm-hook", "powersgd", "--powersgd-warmup", "5",
-                                 "--powersgd-rank", "1", "--bucket-cap-mb", "0.01"]),
+    "hook_powersgd": (
+        2,
+        HOOK
+        + [
+            "--comm-hook",
+            "powersgd",
+            "--powersgd-warmup",
+            "5",
+            "--powersgd-rank",
+            "1",
+            "--bucket-cap-mb",
+            "0.01",
+        ],
+    ),
 }
 DIRS = {"zrest": "zhalf", "prest": "phalf"}  # the resumed halves continue in the first half's dir
 
@@ -56,11 +94,13 @@ class AllReduceCounter:
 
     def __enter__(self):
         import torch.distributed as dist
+
         self.dist, self.real, self.bytes, self.calls = dist, dist.all_reduce, 0, 0
 
         def counting(tensor, *args, **kwargs):
             self.bytes, self.calls = self.bytes + tensor.nbytes, self.calls + 1
             return self.real(tensor, *args, **kwargs)
+
         dist.all_reduce = counting
         return self
 
@@ -71,10 +111,21 @@ class AllReduceCounter:
 def _count_hook_bytes(ddp, steps=5):
     """{hook: [(bytes, calls) per step]} over real DDP steps of the lesson's model and hooks."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     out = {}
     for hook in ("none", "fp16", "bf16", "powersgd"):
-        args = K.parse_args(["--comm-hook", hook, "--bucket-cap-mb", "0.01", "--powersgd-warmup", "2",
-                             "--powersgd-rank", "1"])
+        args = K.parse_args(
+            [
+                "--comm-hook",
+                hook,
+                "--bucket-cap-mb",
+                "0.01",
+                "--powersgd-warmup",
+                "2",
+                "--powersgd-rank",
+                "1",
+            ]
+        )
         ddp_model, state, opt = K.build(args, ddp)
         if hook == "none":  # DDP's built-in all-reduce runs in C++: count its Python twin
             ddp_model.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -98,7 +149,10 @@ def _resume_disagreement(ddp, out):
     """--resume auto where only rank 0's (node-local) checkpoint dir holds last.pt."""
     import contextlib
     import io
-    fresh = K.resume_path(K.parse_args(["--resume", "auto", "--checkpoint-dir", f"{out}/empty"]), ddp)
+
+    fresh = K.resume_path(
+        K.parse_args(["--resume", "auto", "--checkpoint-dir", f"{out}/empty"]), ddp
+    )
     mine = os.path.join(out, f"node{ddp.rank}")
     os.makedirs(mine, exist_ok=True)
     if ddp.rank == 0:
@@ -114,6 +168,7 @@ def _resume_disagreement(ddp, out):
 
 def _worker(rank, world, port, out, ports):
     import torch.distributed as dist
+
     results, placed = {}, []
     place = K.place_state_on_param_device
     K.place_state_on_param_device = lambda opt: (placed.append(1), place(opt))  # count the calls
@@ -205,7 +260,9 @@ def test_zero_resume_continues_bitwise_and_its_checkpoint_resumes_without_zero(r
     same checkpoint resumed WITHOUT --zero continues to the same weights (float rounding)."""
     out, res = runs
     straight, resumed, plain = _ckpt(out, "zstraight"), _ckpt(out, "zrest"), _ckpt(out, "zplain")
-    assert res[0]["zhalf"]["step"] == 8 and straight["step"] == resumed["step"] == plain["step"] == 15
+    assert (
+        res[0]["zhalf"]["step"] == 8 and straight["step"] == resumed["step"] == plain["step"] == 15
+    )
     _assert_equal(straight["model"], resumed["model"])
     _assert_equal(straight["optimizer"], resumed["optimizer"])
     assert max(_relative_gaps(plain["model"], straight["model"]).values()) < 1e-6
@@ -218,7 +275,10 @@ def test_resume_puts_fused_optimizer_state_back_on_the_parameter_device():
     a GPU then fails at its next step (pytorch/pytorch#124133). A CPU has one device, so the
     parameter lives on `meta` here: the fix must move a fused group's state to it and leave a
     plain group's CPU `step` (what non-fused Adam wants) alone."""
-    fused, plain = torch.nn.Parameter(torch.zeros(3, device="meta")), torch.nn.Parameter(torch.zeros(3))
+    fused, plain = (
+        torch.nn.Parameter(torch.zeros(3, device="meta")),
+        torch.nn.Parameter(torch.zeros(3)),
+    )
     opt = torch.optim.AdamW([{"params": [fused]}, {"params": [plain]}])
     opt.param_groups[0]["fused"] = True
     opt.state[fused] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, device="meta")}
@@ -239,7 +299,9 @@ def test_powersgd_resume_continues_bitwise(runs):
     assert straight["step"] == resumed["step"] == 15
     ps = straight["powersgd"]
     assert len(ps) == 2 and len(ps[0]["error"]) >= 2 and ps[0]["iter"] == 15
-    assert not all(torch.equal(ps[0]["error"][k], ps[1]["error"][k]) for k in ps[0]["error"])  # per rank
+    assert not all(
+        torch.equal(ps[0]["error"][k], ps[1]["error"][k]) for k in ps[0]["error"]
+    )  # per rank
     _assert_equal(straight["model"], resumed["model"])
     _assert_equal(straight["optimizer"], resumed["optimizer"])
     _assert_equal(straight["powersgd"], resumed["powersgd"])
@@ -313,7 +375,9 @@ def test_fp16_and_bf16_hooks_carry_half_the_bytes(runs):
         assert res["none"]["lesson"] == 4 * n
         for hook in ("fp16", "bf16"):
             assert [b for b, _ in res[hook]["steps"]] == [2 * n] * 5, (hook, res[hook])
-            assert [c for _, c in res[hook]["steps"]][1:] == [c for _, c in none][1:]  # same buckets
+            assert [c for _, c in res[hook]["steps"]][1:] == [c for _, c in none][
+                1:
+            ]  # same buckets
             assert res[hook]["lesson"] == 2 * n
 
 
@@ -329,9 +393,26 @@ def test_powersgd_sends_plain_gradients_during_warm_up_then_under_a_tenth(runs):
 # The command line
 # ---------------------------------------------------------------------------------------------
 def test_torchrun_with_every_knob_saves_a_full_resumable_checkpoint(tmp_path):
-    r = run_torchrun("ddp_knobs.py", *BASE, "--epochs", "1", "--batch-size", "8", "--zero", "--sync-bn",
-                     "--optimizer", "adamw", "--comm-hook", "powersgd", "--powersgd-warmup", "3",
-                     "--bucket-cap-mb", "0.01", "--checkpoint-dir", tmp_path)
+    r = run_torchrun(
+        "ddp_knobs.py",
+        *BASE,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--zero",
+        "--sync-bn",
+        "--optimizer",
+        "adamw",
+        "--comm-hook",
+        "powersgd",
+        "--powersgd-warmup",
+        "3",
+        "--bucket-cap-mb",
+        "0.01",
+        "--checkpoint-dir",
+        tmp_path,
+    )
     assert_ok(r)
     done = [l for l in r.stdout.splitlines() if l.startswith("done:")]
     assert len(done) == 1 and "| world 2 |" in done[0] and " MiB/rank |" in done[0], r.stdout
@@ -348,13 +429,27 @@ def test_resume_stops_with_one_line_when_only_some_ranks_see_the_checkpoint(runs
         res = runs[1][rank]["resume"]
         assert res["fresh"] is None and res["code"] == 2, res
         errs = [l for l in res["stderr"].splitlines() if l.startswith("error:")]
-        assert errs == (["error: checkpoint %s is missing on 1 of 2 ranks: every rank must read it "
-                         "(use a shared --checkpoint-dir or copy it)" % res["path"]] if rank == 0 else [])
+        assert errs == (
+            [
+                "error: checkpoint %s is missing on 1 of 2 ranks: every rank must read it "
+                "(use a shared --checkpoint-dir or copy it)" % res["path"]
+            ]
+            if rank == 0
+            else []
+        )
 
 
-@pytest.mark.parametrize("flags", [["--comm-hook", "int8"], ["--powersgd-warmup", "1"],
-                                   ["--powersgd-rank", "0"], ["--bucket-cap-mb", "0"],
-                                   ["--optimizer", "lamb"], ["--batch-size", "0"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--comm-hook", "int8"],
+        ["--powersgd-warmup", "1"],
+        ["--powersgd-rank", "0"],
+        ["--bucket-cap-mb", "0"],
+        ["--optimizer", "lamb"],
+        ["--batch-size", "0"],
+    ],
+)
 def test_bad_flags_exit_2_with_one_error_line(flags, capsys):
     with pytest.raises(SystemExit) as e:
         K.parse_args(flags)
@@ -373,4 +468,8 @@ def test_gpu_zero_fused_adamw_resumes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_", "MASTER_"))}
     flags = ["--zero", "--optimizer", "adamw", "--epochs", "1", "--checkpoint-dir", tmp_path]
     assert_ok(run_torchrun("ddp_knobs.py", *flags, "--max-steps", "4", nproc=1, env=env))
-    assert_ok(run_torchrun("ddp_knobs.py", *flags, "--max-steps", "8", "--resume", "auto", nproc=1, env=env))
+    assert_ok(
+        run_torchrun(
+            "ddp_knobs.py", *flags, "--max-steps", "8", "--resume", "auto", nproc=1, env=env
+        )
+    )

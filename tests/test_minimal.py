@@ -1,14 +1,15 @@
 """Lesson 0, ddp_minimal.py: the lesson's own worker, spawned as 2 processes and as 1, learns, and
 its replicas end identical and equal to one process training on the global batch."""
+
 import argparse
 import os
 import sys
 
 import pytest
 import torch
+from conftest import free_port, spawn
 
 import ddp_minimal
-from conftest import free_port, spawn
 
 
 def _run(rank, world_size, port, out_dir=None, batch_size=16):
@@ -16,8 +17,10 @@ def _run(rank, world_size, port, out_dir=None, batch_size=16):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     args = argparse.Namespace(epochs=3, batch_size=batch_size, lr=0.1, seed=0)
     model, losses = ddp_minimal.worker(rank, world_size, args)
-    result = {"params": torch.cat([p.detach().flatten() for p in model.parameters()]),
-              "losses": losses}
+    result = {
+        "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+        "losses": losses,
+    }
     if out_dir:
         torch.save(result, os.path.join(out_dir, f"w{world_size}_r{rank}.pt"))
     return result
@@ -45,7 +48,9 @@ def test_main_spawns_and_prints_once(monkeypatch, capfd):
     monkeypatch.setattr(sys, "argv", ["ddp_minimal.py", "--nproc", "2", "--epochs", "2"])
     ddp_minimal.main()
     lines = capfd.readouterr().out.splitlines()
-    assert lines[0].startswith("start: world 2") and lines[-1].startswith("done: world 2 | backend gloo")
+    assert lines[0].startswith("start: world 2") and lines[-1].startswith(
+        "done: world 2 | backend gloo"
+    )
     assert len([l for l in lines if l.startswith("epoch ")]) == 2  # rank 0 prints, once
 
 

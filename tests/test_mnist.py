@@ -1,5 +1,6 @@
 """Lesson 1, ddp_mnist.py: DDP keeps replicas identical, shards the data, evaluates exactly, and
 runs end to end under torchrun on real-format MNIST files and on synthetic data."""
+
 import os
 import re
 import subprocess
@@ -9,14 +10,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import (
+    assert_clean_failure,
+    assert_ok,
+    cpu_env,
+    free_port,
+    init_spawned,
+    run_torchrun_nodes,
+    spawn,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import ddp_common
 import ddp_mnist
-from conftest import (assert_clean_failure, assert_ok, cpu_env, free_port, init_spawned,
-                      run_torchrun_nodes, spawn)
 
 DEAD_PROXY = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
 
@@ -25,7 +33,8 @@ def write_idx(path, array):
     """The IDX format MNIST ships in: magic (0x0801 labels, 0x0803 images), sizes, raw bytes."""
     array = np.asarray(array, dtype=np.uint8)
     header = (0x0800 + array.ndim).to_bytes(4, "big") + b"".join(
-        d.to_bytes(4, "big") for d in array.shape)
+        d.to_bytes(4, "big") for d in array.shape
+    )
     with open(path, "wb") as f:
         f.write(header + array.tobytes())
 
@@ -40,7 +49,7 @@ def make_mnist(root, n_train=256, n_test=17, seed=0):
         labels = rng.integers(0, 10, n)
         images = rng.integers(0, 60, (n, 28, 28))
         for i, y in enumerate(labels):
-            images[i, 2 + 2 * y: 4 + 2 * y, 4:24] = 255
+            images[i, 2 + 2 * y : 4 + 2 * y, 4:24] = 255
         write_idx(os.path.join(raw, f"{prefix}-images-idx3-ubyte"), images)
         write_idx(os.path.join(raw, f"{prefix}-labels-idx1-ubyte"), labels)
     return labels
@@ -48,7 +57,7 @@ def make_mnist(root, n_train=256, n_test=17, seed=0):
 
 def done_fields(result):
     line = next(l for l in result.stdout.splitlines() if l.startswith("done:"))
-    return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: "):]))
+    return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: ") :]))
 
 
 def test_torchvision_reads_the_idx_files_we_write(tmp_path):
@@ -61,17 +70,32 @@ def test_torchvision_reads_the_idx_files_we_write(tmp_path):
 
 # ---- node-local disks: two torchrun "nodes" on this machine, each with its own --data-dir ----
 
+
 def two_nodes(tmp_path, data, have, *args):
     """Launch 2 nodes x 1 rank offline; node i reads tmp_path/n<i>, which holds MNIST iff have[i].
     Returns (exit code of the job, stdout, stderr) over both nodes."""
     for i, h in enumerate(have):
         if h:
             make_mnist(tmp_path / f"n{i}")
-    r0, r1 = run_torchrun_nodes("ddp_mnist.py", [
-        ["--data", data, "--data-dir", tmp_path / f"n{i}", "--checkpoint-dir", tmp_path / "ck", *args]
-        for i in range(2)], env=cpu_env(**DEAD_PROXY))
-    return subprocess.CompletedProcess(r0.args, r0.returncode or r1.returncode,
-                                       r0.stdout + r1.stdout, r0.stderr + r1.stderr)
+    r0, r1 = run_torchrun_nodes(
+        "ddp_mnist.py",
+        [
+            [
+                "--data",
+                data,
+                "--data-dir",
+                tmp_path / f"n{i}",
+                "--checkpoint-dir",
+                tmp_path / "ck",
+                *args,
+            ]
+            for i in range(2)
+        ],
+        env=cpu_env(**DEAD_PROXY),
+    )
+    return subprocess.CompletedProcess(
+        r0.args, r0.returncode or r1.returncode, r0.stdout + r1.stdout, r0.stderr + r1.stderr
+    )
 
 
 def test_two_nodes_data_mnist_on_node_0_only_is_one_error_line(tmp_path):
@@ -85,8 +109,9 @@ def test_two_nodes_data_mnist_on_node_0_only_is_one_error_line(tmp_path):
 def test_two_nodes_auto_agree_on_synthetic_learn_and_checkpoint(tmp_path):
     """Node 0 has MNIST, node 1 has not: training on two different datasets would be wrong, so
     auto falls back to synthetic data on every rank, with a warning."""
-    result = two_nodes(tmp_path, "auto", [True, False], "--max-steps", 40, "--log-every", 10,
-                       "--batch-size", 16)
+    result = two_nodes(
+        tmp_path, "auto", [True, False], "--max-steps", 40, "--log-every", 10, "--batch-size", 16
+    )
     assert_ok(result)
     assert any(l.startswith("warning: ") and "rank 1: " in l for l in result.stdout.splitlines())
     done = done_fields(result)
@@ -99,8 +124,9 @@ def test_two_nodes_auto_agree_on_synthetic_learn_and_checkpoint(tmp_path):
 
 
 def test_two_nodes_each_read_their_own_copy_and_count_every_test_sample_once(tmp_path):
-    result = two_nodes(tmp_path, "auto", [True, True], "--epochs", 2, "--batch-size", 16,
-                       "--lr", 3e-3)
+    result = two_nodes(
+        tmp_path, "auto", [True, True], "--epochs", 2, "--batch-size", 16, "--lr", 3e-3
+    )
     assert_ok(result)
     assert "warning" not in result.stdout
     done = done_fields(result)
@@ -119,6 +145,7 @@ def test_bad_flags_are_usage_errors(flag, capsys):
 # ---- what DDP guarantees, checked on the lesson's own code inside real processes ----
 # One spawn per world size (1, 2, 3) runs every check and saves what it saw; the tests read it.
 
+
 def _train_steps(rank, world_size, batch=8):
     """Each rank trains the lesson's Net on ITS OWN slice of a fixed batch of 2*batch samples."""
     ddp_common.set_seed(0)
@@ -126,9 +153,15 @@ def _train_steps(rank, world_size, batch=8):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x, y = torch.randn(2 * batch, 1, 28, 28, generator=g), torch.randint(0, 10, (2 * batch,), generator=g)
+        x, y = (
+            torch.randn(2 * batch, 1, 28, 28, generator=g),
+            torch.randint(0, 10, (2 * batch,), generator=g),
+        )
         per_rank = 2 * batch // world_size
-        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        xs, ys = (
+            x[rank * per_rank : (rank + 1) * per_rank],
+            y[rank * per_rank : (rank + 1) * per_rank],
+        )
         opt.zero_grad()
         F.cross_entropy(model(xs), ys).backward()
         opt.step()
@@ -138,7 +171,9 @@ def _train_steps(rank, world_size, batch=8):
 def _evaluate(ddp):
     ddp_common.set_seed(0)
     g = torch.Generator().manual_seed(3)
-    test_set = TensorDataset(torch.randn(17, 1, 28, 28, generator=g), torch.randint(0, 10, (17,), generator=g))
+    test_set = TensorDataset(
+        torch.randn(17, 1, 28, 28, generator=g), torch.randint(0, 10, (17,), generator=g)
+    )
     result = ddp_mnist.evaluate(ddp_mnist.Net(), test_set, ddp, batch_size=2)
     return torch.tensor(result[:3] + (result[3],), dtype=torch.float64)
 
@@ -161,12 +196,27 @@ def flat(model):
 
 def _checks(rank, world_size, port, out_dir):
     ddp = init_spawned(rank, world_size, port)
-    seen = {"params": _gather(flat(_train_steps(rank, world_size)), world_size),
-            "eval": _evaluate(ddp), "shard": _shard(ddp)}
+    seen = {
+        "params": _gather(flat(_train_steps(rank, world_size)), world_size),
+        "eval": _evaluate(ddp),
+        "shard": _shard(ddp),
+    }
     if world_size == 2:
         # get_data on one node: local rank 0 loads (a download if missing), rank 1 waits, loads.
-        args = ddp_mnist.parse_args(["--data", "mnist", "--data-dir", os.path.join(out_dir, "mnist"),
-                                     "--max-steps", "6", "--batch-size", "16", "--checkpoint-dir", out_dir])
+        args = ddp_mnist.parse_args(
+            [
+                "--data",
+                "mnist",
+                "--data-dir",
+                os.path.join(out_dir, "mnist"),
+                "--max-steps",
+                "6",
+                "--batch-size",
+                "16",
+                "--checkpoint-dir",
+                out_dir,
+            ]
+        )
         name, train, test = ddp_mnist.get_data(args, ddp)
         seen["data"] = (name, len(train), len(test))
         # The lesson's own train() for a few steps: every rank must end with the same weights.
@@ -212,8 +262,10 @@ def test_evaluation_is_exact_when_the_test_set_does_not_divide(seen, world_size)
 @pytest.mark.parametrize("n,world", [(60, 2), (60, 4), (61, 4)])
 def test_sampler_shards_are_disjoint_and_cover_the_dataset(n, world):
     data = list(range(n))
-    shards = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0))
-              for r in range(world)]
+    shards = [
+        list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0))
+        for r in range(world)
+    ]
     assert len({len(s) for s in shards}) == 1  # equal length: no rank waits at a collective
     flat = [i for s in shards for i in s]
     assert set(flat) == set(data)  # together they cover every sample

@@ -1,6 +1,7 @@
 """Lesson 4 on one machine: two torchrun "nodes" (--nnodes=2, 2 workers each) on 127.0.0.1,
 with c10d and with static rendezvous; per-node snapshots and resume; a worker killed on one node
 and the job restarted across both; launch_ddp.sh."""
+
 import json
 import os
 import shutil
@@ -8,16 +9,25 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, assert_ok, cpu_env, error_lines, free_port, run, run_nodes, run_python
+
 from multinode import params_sha256
 
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
 
 
 def torchrun_node(node_args, *script_args, nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={nproc}",
-            *node_args, ROOT / "multinode.py", *SMALL, *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--nproc-per-node={nproc}",
+        *node_args,
+        ROOT / "multinode.py",
+        *SMALL,
+        *script_args,
+    ]
 
 
 def check_two_node_report(report, launcher="torchrun"):
@@ -50,8 +60,22 @@ def single_node(tmp_path_factory):
     """launch_ddp.sh on one node (2 processes): the uninterrupted run of RESTART_RUN, which the
     restarted two-node job must end equal to. Its report."""
     out = tmp_path_factory.mktemp("single_node")
-    r = run(["bash", ROOT / "launch_ddp.sh", "--nproc", "2", "multinode.py", *RESTART_RUN,
-             "--checkpoint-dir", out, "--report", out / "r.json"], timeout=180, env=launch_env())
+    r = run(
+        [
+            "bash",
+            ROOT / "launch_ddp.sh",
+            "--nproc",
+            "2",
+            "multinode.py",
+            *RESTART_RUN,
+            "--checkpoint-dir",
+            out,
+            "--report",
+            out / "r.json",
+        ],
+        timeout=180,
+        env=launch_env(),
+    )
     assert_ok(r)
     return json.loads((out / "r.json").read_text())
 
@@ -66,10 +90,36 @@ def test_two_nodes_restart_after_a_worker_is_killed(tmp_path, single_node):
     snapshot of epoch 1, and end with the weights of an uninterrupted run."""
     port, report = free_port(), tmp_path / "report.json"
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    nodes = [["bash", ROOT / "launch_ddp.sh", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint",
-              f"127.0.0.1:{port}", "--rdzv-id", "restart", "--max-restarts", "1", "multinode.py",
-              *RESTART_RUN, "--snapshot-per-node", "--checkpoint-dir", dirs[n], "--resume", "auto",
-              "--report", report, "--crash-rank", "1", "--crash-at", "12"] for n in (0, 1)]
+    nodes = [
+        [
+            "bash",
+            ROOT / "launch_ddp.sh",
+            "--nnodes",
+            "2",
+            "--nproc",
+            "1",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "restart",
+            "--max-restarts",
+            "1",
+            "multinode.py",
+            *RESTART_RUN,
+            "--snapshot-per-node",
+            "--checkpoint-dir",
+            dirs[n],
+            "--resume",
+            "auto",
+            "--report",
+            report,
+            "--crash-rank",
+            "1",
+            "--crash-at",
+            "12",
+        ]
+        for n in (0, 1)
+    ]
     results = run_nodes(nodes, tmp_path, timeout=180, env=launch_env())
     for r in results:
         assert_ok(r)
@@ -89,8 +139,10 @@ def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
     static rendezvous (--node-rank, --master-addr) with node-local snapshot dirs A and B."""
     report, shared = tmp_path / "report.json", tmp_path / "shared"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=t1"]
-    results = run_nodes([torchrun_node(rdzv, "--epochs", "1", "--checkpoint-dir", shared,
-                                       "--report", report)] * 2, tmp_path)
+    results = run_nodes(
+        [torchrun_node(rdzv, "--epochs", "1", "--checkpoint-dir", shared, "--report", report)] * 2,
+        tmp_path,
+    )
     for r in results:
         assert_ok(r)
     done = [l for r in results for l in r.stdout.splitlines() if l.startswith("done:")]
@@ -108,12 +160,25 @@ def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
         shutil.copy(shared / "multinode.pt", d / "multinode.pt")
 
     def launch(epochs, nproc=2):
-        return run_nodes([torchrun_node([f"--node-rank={n}", "--master-addr=127.0.0.1",
-                                         f"--master-port={port}"],
-                                        "--epochs", epochs, "--checkpoint-dir", dirs[n],
-                                        "--resume", "auto", "--report", report,
-                                        "--snapshot-per-node", nproc=nproc)
-                          for n in (0, 1)], tmp_path)
+        return run_nodes(
+            [
+                torchrun_node(
+                    [f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}"],
+                    "--epochs",
+                    epochs,
+                    "--checkpoint-dir",
+                    dirs[n],
+                    "--resume",
+                    "auto",
+                    "--report",
+                    report,
+                    "--snapshot-per-node",
+                    nproc=nproc,
+                )
+                for n in (0, 1)
+            ],
+            tmp_path,
+        )
 
     for r in launch(2):  # both nodes resume from their own copy
         assert_ok(r)
@@ -157,31 +222,73 @@ def test_launch_ddp_help_and_dry_run(tmp_path):
     assert r.returncode == 0 and "--standalone --nproc-per-node=3 multinode.py" in r.stderr
     env = fake_nvidia_smi(tmp_path / "nogpu", 0)  # no GPU: 2 CPU processes
     cases = {
-        ("multinode.py", "--epochs", "1"):
-            "--standalone --nproc-per-node=2 multinode.py --epochs 1",
-        ("--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "multinode.py", "--x", "a b"):
-            "--nnodes=2 --nproc-per-node=2 --node-rank=1 --master-addr=h0 --master-port=29500 "
-            "multinode.py --x a\\ b",
-        ("--nnodes", "3", "--nproc", "4", "--rdzv-endpoint", "h0", "multinode.py"):
-            "--nnodes=3 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=h0:29400 "
-            "--rdzv-id=ddp-course multinode.py",
-        ("--slurm", "--nnodes", "4", "multinode.py"):
-            f"sbatch --nodes=4 {ROOT}/slurm/train.sbatch multinode.py",
-        ("--slurm-srun", "--nproc", "8", "multinode.py"):
-            f"sbatch --ntasks-per-node=8 {ROOT}/slurm/train_srun.sbatch multinode.py",
+        (
+            "multinode.py",
+            "--epochs",
+            "1",
+        ): "--standalone --nproc-per-node=2 multinode.py --epochs 1",
+        (
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "h0",
+            "multinode.py",
+            "--x",
+            "a b",
+        ): "--nnodes=2 --nproc-per-node=2 --node-rank=1 --master-addr=h0 --master-port=29500 "
+        "multinode.py --x a\\ b",
+        (
+            "--nnodes",
+            "3",
+            "--nproc",
+            "4",
+            "--rdzv-endpoint",
+            "h0",
+            "multinode.py",
+        ): "--nnodes=3 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=h0:29400 "
+        "--rdzv-id=ddp-course multinode.py",
+        (
+            "--slurm",
+            "--nnodes",
+            "4",
+            "multinode.py",
+        ): f"sbatch --nodes=4 {ROOT}/slurm/train.sbatch multinode.py",
+        (
+            "--slurm-srun",
+            "--nproc",
+            "8",
+            "multinode.py",
+        ): f"sbatch --ntasks-per-node=8 {ROOT}/slurm/train_srun.sbatch multinode.py",
     }
     for args, expected in cases.items():
         r = launch_sh("--dry-run", *args, env=env)
         assert r.returncode == 0, r.stderr
         assert r.stderr.strip().splitlines()[-1].endswith(expected), (args, r.stderr)
     r = launch_sh("--dry-run", "--debug", "multinode.py", env=env)
-    assert r.returncode == 0 and "NCCL_DEBUG=INFO" in r.stderr and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in r.stderr
+    assert (
+        r.returncode == 0
+        and "NCCL_DEBUG=INFO" in r.stderr
+        and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in r.stderr
+    )
     # torchrun gets a fresh store per restart attempt; --max-restarts reaches torchrun (or sbatch)
-    r = launch_sh("--dry-run", "--nnodes", "2", "--rdzv-endpoint", "h0", "--max-restarts", "2",
-                  "multinode.py", env=env)
+    r = launch_sh(
+        "--dry-run",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "h0",
+        "--max-restarts",
+        "2",
+        "multinode.py",
+        env=env,
+    )
     assert "+ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.stderr.splitlines()
     assert "--max-restarts=2 --nnodes=2" in r.stderr.splitlines()[-1]
-    r = launch_sh("--dry-run", "--slurm", "--nproc", "4", "--max-restarts", "2", "multinode.py", env=env)
+    r = launch_sh(
+        "--dry-run", "--slurm", "--nproc", "4", "--max-restarts", "2", "multinode.py", env=env
+    )
     assert "sbatch --export=ALL\\,NPROC_PER_NODE=4\\,MAX_RESTARTS=2 " in r.stderr.splitlines()[-1]
 
 
@@ -189,20 +296,34 @@ def test_launch_ddp_counts_only_the_gpus_cuda_visible_devices_allows(tmp_path):
     """nvidia-smi lists all 4 GPUs of the machine; CUDA_VISIBLE_DEVICES may allow fewer."""
     env = fake_nvidia_smi(tmp_path / "gpu4", 4)
     for visible, nproc in [(None, 4), ("0,1", 2), ("1,2,3", 3), ("3", 1), ("", 2)]:  # "": no GPU
-        r = launch_sh("--dry-run", "multinode.py",
-                      env=env if visible is None else dict(env, CUDA_VISIBLE_DEVICES=visible))
-        assert f"--standalone --nproc-per-node={nproc} multinode.py" in r.stderr, (visible, r.stderr)
+        r = launch_sh(
+            "--dry-run",
+            "multinode.py",
+            env=env if visible is None else dict(env, CUDA_VISIBLE_DEVICES=visible),
+        )
+        assert f"--standalone --nproc-per-node={nproc} multinode.py" in r.stderr, (
+            visible,
+            r.stderr,
+        )
 
 
-@pytest.mark.parametrize("args", [
-    [], ["--bogus", "multinode.py"], ["missing.py"], ["--nproc", "zero", "multinode.py"],
-    ["--nproc"], ["--nnodes", "2", "multinode.py"],
-    ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "multinode.py"],
-    ["--nnodes", "2", "--rdzv-endpoint", "h", "--node-rank", "0", "multinode.py"],
-    ["--node-rank", "0", "--master-addr", "h", "multinode.py"],
-    ["--slurm", "--master-addr", "h", "multinode.py"],
-    ["--max-restarts", "-1", "multinode.py"], ["--slurm-srun", "--max-restarts", "1", "multinode.py"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--bogus", "multinode.py"],
+        ["missing.py"],
+        ["--nproc", "zero", "multinode.py"],
+        ["--nproc"],
+        ["--nnodes", "2", "multinode.py"],
+        ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "multinode.py"],
+        ["--nnodes", "2", "--rdzv-endpoint", "h", "--node-rank", "0", "multinode.py"],
+        ["--node-rank", "0", "--master-addr", "h", "multinode.py"],
+        ["--slurm", "--master-addr", "h", "multinode.py"],
+        ["--max-restarts", "-1", "multinode.py"],
+        ["--slurm-srun", "--max-restarts", "1", "multinode.py"],
+    ],
+)
 def test_launch_ddp_usage_errors(args):
     r = launch_sh(*args)
     assert r.returncode == 2

@@ -38,6 +38,7 @@
 
 Also: the README's test command is what .ci/run runs; the worked example of gradient averaging
 is computed for real; every relative link resolves; the README stays a spine (<= 700 lines)."""
+
 import contextlib
 import fcntl
 import os
@@ -51,10 +52,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROOT, cpu_env, init_spawned, run, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_common
-from conftest import ROOT, cpu_env, init_spawned, run, spawn
 
 TEST_COMMAND = ". .venv/bin/activate && python -m pytest -q"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -63,9 +64,9 @@ README = (ROOT / "README.md").read_text()
 
 @dataclass
 class Block:
-    page: str          # path relative to the repository
-    line: int          # line of the opening fence
-    info: list         # words after ``` (language first)
+    page: str  # path relative to the repository
+    line: int  # line of the opening fence
+    info: list  # words after ``` (language first)
     body: str
 
     @property
@@ -82,8 +83,15 @@ FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 def fenced_blocks(path):
     text = path.read_text()
-    return [Block(str(path.relative_to(ROOT)), text.count("\n", 0, m.start()) + 1,
-                  m.group(1).split(), m.group(2)) for m in FENCE.finditer(text)]
+    return [
+        Block(
+            str(path.relative_to(ROOT)),
+            text.count("\n", 0, m.start()) + 1,
+            m.group(1).split(),
+            m.group(2),
+        )
+        for m in FENCE.finditer(text)
+    ]
 
 
 BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
@@ -144,8 +152,12 @@ def needs_slurm(script):
 def repo_copy(dest):
     """A copy of the repository (what git tracks or would track), sharing this venv, so commands
     that write ./data, ./checkpoints or snapshots do not touch the working tree."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for f in files or [p.name for p in ROOT.glob("*.py")]:
         if (ROOT / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +177,7 @@ def ran(request, tmp_path_factory):
         if script not in _RUNS:
             _RUNS[script] = run_block(block, request, tmp_path_factory)
         return _RUNS[script]
+
     return get
 
 
@@ -175,15 +188,24 @@ def run_block(block, request, tmp_path_factory):
         # The set-up command (re)creates ./.venv: run it in the repository itself, against the
         # venv the tests run from (venv will not build into a symlink); pip then finds
         # everything installed. Its ./data and ./checkpoints are git-ignored.
-        if not (ROOT / ".venv").is_dir() or Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
-            pytest.skip("the tests do not run from ./.venv, so the set-up command would build a new one")
+        if (
+            not (ROOT / ".venv").is_dir()
+            or Path(sys.prefix).resolve() != (ROOT / ".venv").resolve()
+        ):
+            pytest.skip(
+                "the tests do not run from ./.venv, so the set-up command would build a new one"
+            )
         cwd = ROOT
     else:
         cwd = repo_copy(tmp_path_factory.mktemp("repo"))
     bin_dir = os.path.dirname(sys.executable)
-    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH="",
-                  https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9",
-                  HF_HUB_OFFLINE="1")
+    env = cpu_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHONPATH="",
+        https_proxy="http://127.0.0.1:9",
+        http_proxy="http://127.0.0.1:9",
+        HF_HUB_OFFLINE="1",
+    )
     env.update(slurm_env)
     fixed = sorted(set(re.findall(r"127\.0\.0\.1:(\d+)", script)))  # a port printed in the command
     with contextlib.ExitStack() as held:
@@ -201,17 +223,22 @@ def test_readme_has_commands_and_the_test_command_is_what_ci_runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in FIRST.values() if script_of(b) != TEST_COMMAND], ids=short_id)
+@pytest.mark.parametrize(
+    "block", [b for b in FIRST.values() if script_of(b) != TEST_COMMAND], ids=short_id
+)
 def test_command_runs_as_printed(block, ran):
     result = ran(block)
     assert result.returncode == 0, (
         f"{block.key}: command failed (exit {result.returncode}):\n{script_of(block)}\n"
-        f"--- stdout\n{result.stdout[-2500:]}\n--- stderr\n{result.stderr[-2500:]}")
+        f"--- stdout\n{result.stdout[-2500:]}\n--- stderr\n{result.stderr[-2500:]}"
+    )
 
 
 # ---------------------------------------------------------------- outputs cannot drift
 NUMBER = re.compile(r"[-+−]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
-KEY_WORD = re.compile(r"[a-z_][\w/.+#-]*")  # keys are lower case; names (AMD EPYC, SIGKILL) are values
+KEY_WORD = re.compile(
+    r"[a-z_][\w/.+#-]*"
+)  # keys are lower case; names (AMD EPYC, SIGKILL) are values
 TORCH_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d")
 HEADER_COLUMN = re.compile(r"[A-Za-z_][\w/ ]*")
 
@@ -236,7 +263,7 @@ def shape(line):
     masked = mask(raw)
     keyword = re.match(r"(\S+:)(?:\s|$)", masked)
     if " | " in masked or keyword:
-        rest = masked[keyword.end():] if keyword else masked
+        rest = masked[keyword.end() :] if keyword else masked
         fields = rest.split(" | ")
         return ("fields", keyword.group(1) if keyword else "", tuple(field_key(f) for f in fields))
     if raw.startswith("+ "):
@@ -255,49 +282,75 @@ def describe(s):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command,output", OUTPUTS, ids=[f"{o.key} of {short_id(FIRST[script_of(c)])}" for c, o in OUTPUTS])
+@pytest.mark.parametrize(
+    "command,output",
+    OUTPUTS,
+    ids=[f"{o.key} of {short_id(FIRST[script_of(c)])}" for c, o in OUTPUTS],
+)
 def test_shown_output_matches_what_the_command_prints(command, output, ran):
     result = ran(command)
     if result.returncode != 0:
-        pytest.fail(f"{command.key} failed (exit {result.returncode}), so its output at "
-                    f"{output.key} cannot be checked; see test_command_runs_as_printed")
+        pytest.fail(
+            f"{command.key} failed (exit {result.returncode}), so its output at "
+            f"{output.key} cannot be checked; see test_command_runs_as_printed"
+        )
     actual = (result.stdout + "\n" + result.stderr).splitlines()
     actual_shapes = {s for s in map(shape, actual) if s}
     shown = [(l, shape(l)) for l in output.body.splitlines()]
     checked = [(l, s) for l, s in shown if s]
-    assert checked, (f"{output.key}: no line of this output block is compared (no `key value | "
-                     "...` line, keyword line or table header); if it was not printed by the "
-                     "command above it, fence it as ```text <where it was measured>")
+    assert checked, (
+        f"{output.key}: no line of this output block is compared (no `key value | "
+        "...` line, keyword line or table header); if it was not printed by the "
+        "command above it, fence it as ```text <where it was measured>"
+    )
     missing = [(l, s) for l, s in checked if s not in actual_shapes]
     if missing:
         report = []
         for l, s in missing:
             near = [a for a in actual if shape(a) and shape(a)[:2] == s[:2]]
-            report.append(f"  shown:  {l.strip()[:160]}\n    shape: {describe(s)}\n"
-                          + (f"    printed now: {near[0].strip()[:160]}\n    shape: {describe(shape(near[0]))}"
-                             if near else "    printed now: no line with that keyword/kind"))
-        pytest.fail(f"{output.key}: the output shown no longer matches what `{short_id(command)}` "
-                    f"prints (field by field, numbers masked):\n" + "\n".join(report)
-                    + f"\n--- printed now (stdout+stderr, tail)\n" + "\n".join(actual[-40:]))
+            report.append(
+                f"  shown:  {l.strip()[:160]}\n    shape: {describe(s)}\n"
+                + (
+                    f"    printed now: {near[0].strip()[:160]}\n    shape: {describe(shape(near[0]))}"
+                    if near
+                    else "    printed now: no line with that keyword/kind"
+                )
+            )
+        pytest.fail(
+            f"{output.key}: the output shown no longer matches what `{short_id(command)}` "
+            f"prints (field by field, numbers masked):\n"
+            + "\n".join(report)
+            + "\n--- printed now (stdout+stderr, tail)\n"
+            + "\n".join(actual[-40:])
+        )
 
 
 def test_shape_rule_catches_a_renamed_field_and_tolerates_numbers():
     """The drift rule itself: numbers, timings and paths may change; keys and headers may not."""
     a = "epoch 1/3 | step 200/469 | loss 0.2113 | acc 93.40% | 5120 samples/s | eta 0:01:12"
-    assert shape(a) == shape("epoch 2/3 | step 9/9 | loss 1e-05 | acc 100.00% | 17 samples/s | eta 1:00:00")
-    assert shape(a) != shape(a.replace("loss", "train_loss"))           # renamed field
-    assert shape(a) != shape(a.replace(" | acc 93.40%", ""))            # missing field
-    assert shape(a) != shape(a.replace("samples/s", "tokens/s"))        # other unit
+    assert shape(a) == shape(
+        "epoch 2/3 | step 9/9 | loss 1e-05 | acc 100.00% | 17 samples/s | eta 1:00:00"
+    )
+    assert shape(a) != shape(a.replace("loss", "train_loss"))  # renamed field
+    assert shape(a) != shape(a.replace(" | acc 93.40%", ""))  # missing field
+    assert shape(a) != shape(a.replace("samples/s", "tokens/s"))  # other unit
     assert shape("done: data synthetic | world 2 | time 2.1s")[2] == ("data", "world", "time")
-    assert shape("done: data mnist | world 4 | time 20s") == shape("done: data synthetic | world 2 | time 2.1s")
+    assert shape("done: data mnist | world 4 | time 20s") == shape(
+        "done: data synthetic | world 2 | time 2.1s"
+    )
     assert shape("start: x 1") != shape("done: x 1")
-    assert shape("scaling | AMD EPYC (2 cores) | torch 2.15") == shape("scaling | Intel(R) Xeon(R) (4 cores) | torch 2.16")
+    assert shape("scaling | AMD EPYC (2 cores) | torch 2.15") == shape(
+        "scaling | Intel(R) Xeon(R) (4 cores) | torch 2.16"
+    )
     h = "world  threads/rank  batch/rank  global batch  samples/s  p50 ms"
-    assert shape(h) == shape("world     threads/rank  batch/rank  global batch   samples/s  p90 ms") \
-        == ("header", mask(h))  # widths and numbers may change
+    assert (
+        shape(h)
+        == shape("world     threads/rank  batch/rank  global batch   samples/s  p90 ms")
+        == ("header", mask(h))
+    )  # widths and numbers may change
     assert shape(h) != shape(h.replace("p50 ms", "median ms"))
-    assert shape("    2   16 KiB   22389.0   0.749") is None                  # a table row
-    assert shape("I had always thought the spring") is None                 # free text
+    assert shape("    2   16 KiB   22389.0   0.749") is None  # a table row
+    assert shape("I had always thought the spring") is None  # free text
     assert shape("W1122 12:08:24.677000 25691 torch/distributed/elastic: Sending") is None
     assert shape("warning: noisy step times (p90 up to 1.31x p50)") is None
 
@@ -319,14 +372,19 @@ def excerpt_lines(block):
     block the added (+) and context lines (the removed ones are the code before the change)."""
     if block.lang != "diff":
         return block.body.splitlines()
-    return [l[1:] for l in block.body.splitlines()
-            if l[:1] in ("+", " ") and not l.startswith(("+++", "@@"))]
+    return [
+        l[1:]
+        for l in block.body.splitlines()
+        if l[:1] in ("+", " ") and not l.startswith(("+++", "@@"))
+    ]
 
 
 def test_every_code_excerpt_names_its_file():
     untagged = [b for b in PYTHON if len(b.info) < 2]
-    assert not untagged, (f"{untagged[0].key}: a ```python block must name its file "
-                          f"(```python FILE):\n{untagged[0].body[:200]}")
+    assert not untagged, (
+        f"{untagged[0].key}: a ```python block must name its file "
+        f"(```python FILE):\n{untagged[0].body[:200]}"
+    )
     assert len([b for b in EXCERPTS if b.page == "README.md"]) >= 6
 
 
@@ -337,22 +395,28 @@ def test_code_excerpts_stay_in_step_with_the_files(block):
     folded, so an excerpt may join a statement the file wraps."""
     name = block.info[1]
     assert (ROOT / name).is_file(), f"{block.key}: excerpt of a file that does not exist: {name}"
-    source = " ".join(c for c in (code_part(l) for l in (ROOT / name).read_text().splitlines()) if c)
+    source = " ".join(
+        c for c in (code_part(l) for l in (ROOT / name).read_text().splitlines()) if c
+    )
     source = re.sub(r"\s+", " ", source)
     for line in excerpt_lines(block):
         code = re.sub(r"\s+", " ", code_part(line))
         if not code or code == "...":
             continue
         pattern = r".{0,300}?".join(re.escape(part.strip()) for part in code.split("..."))
-        assert re.search(pattern, source), f"{block.key}: excerpt line not found in {name}: {line.strip()}"
+        assert re.search(pattern, source), (
+            f"{block.key}: excerpt line not found in {name}: {line.strip()}"
+        )
 
 
 # ---------------------------------------------------------------- links and size
 def anchors(path):
     """GitHub's heading anchors: lower case, punctuation dropped, spaces -> '-'."""
     text = FENCE.sub("", path.read_text())
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.*)$", text, re.M)
+    }
 
 
 def test_every_relative_link_resolves_and_every_docs_page_is_reachable():

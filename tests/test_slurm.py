@@ -6,6 +6,7 @@ The session fixture starts a two-node Slurm on this machine with tests/slurm_clu
 munge and Slurm with apt-get if missing; needs root) and stops it at the end. Where that is
 impossible the tests skip, saying why; with CI=true they fail instead. Outside CI, set
 DDP_COURSE_NO_SLURM=1 to skip them rather than install Slurm on your machine."""
+
 import json
 import os
 import re
@@ -15,8 +16,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, assert_ok, cpu_env, error_lines, run
+
 from multinode import params_sha256
 
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
@@ -30,14 +31,22 @@ def sbatch(slurm, tmp_path, script, *args, ddp_timeout=60, timeout=300):
     out = tmp_path / "job.out"
     env = cpu_env(DDP_TIMEOUT=ddp_timeout, **slurm)
     # --time: should a job hang anyway, Slurm itself ends it (a killed test would not).
-    r = run(["sbatch", "--time=5", "--output", out, ROOT / "slurm" / script, "multinode.py", *args],
-            timeout=60, env=env)
+    r = run(
+        ["sbatch", "--time=5", "--output", out, ROOT / "slurm" / script, "multinode.py", *args],
+        timeout=60,
+        env=env,
+    )
     assert_ok(r)
     job = re.search(r"Submitted batch job (\d+)", r.stdout)[1]
     deadline, fields = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
-        show = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
-                              text=True, timeout=30).stdout
+        show = subprocess.run(
+            ["scontrol", "-o", "show", "job", job],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         fields = dict(f.split("=", 1) for f in show.split() if "=" in f)
         if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
             break  # (MinJobAge=5 keeps a finished job visible to scontrol for 5 s)
@@ -52,8 +61,12 @@ def sbatch(slurm, tmp_path, script, *args, ddp_timeout=60, timeout=300):
 
 def table_rows(output):
     """The rank table rows multinode.py printed: (rank, node, local_rank, slurm_node)."""
-    return [(int(m[1]), int(m[2]), int(m[3]), m[4]) for m in
-            re.finditer(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+(node\d)\s+cpu\s+\d+\s*$", output, re.M)]
+    return [
+        (int(m[1]), int(m[2]), int(m[3]), m[4])
+        for m in re.finditer(
+            r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+(node\d)\s+cpu\s+\d+\s*$", output, re.M
+        )
+    ]
 
 
 def check_job(report_path, output, launcher):
@@ -73,8 +86,12 @@ def _check_job(report, output, launcher):
         (r0, n0, l0), (r1, n1, l1) = sorted(rows)
         assert (l0, l1) == (0, 1) and n0 == n1 and (r0, r1) == (2 * n0, 2 * n0 + 1), rows
     assert report["world_size"] == 4 and report["nodes"] == 2 and report["launcher"] == launcher
-    assert sorted((r["slurm_node"], r["local_rank"]) for r in report["ranks"]) == \
-        [("node1", 0), ("node1", 1), ("node2", 0), ("node2", 1)]
+    assert sorted((r["slurm_node"], r["local_rank"]) for r in report["ranks"]) == [
+        ("node1", 0),
+        ("node1", 1),
+        ("node2", 0),
+        ("node2", 1),
+    ]
     assert len(set(report["params_sha256"])) == 1, report["params_sha256"]
     assert sum(l.startswith("done:") for l in output.splitlines()) == 1
 
@@ -83,8 +100,18 @@ def _check_job(report, output, launcher):
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_sbatch_two_nodes(slurm, tmp_path, script):
     report, ckpt = tmp_path / "report.json", tmp_path / "ckpt"
-    r, output = sbatch(slurm, tmp_path, script, *SMALL, "--epochs", "2", "--checkpoint-dir", ckpt,
-                       "--report", report)
+    r, output = sbatch(
+        slurm,
+        tmp_path,
+        script,
+        *SMALL,
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        ckpt,
+        "--report",
+        report,
+    )
     assert_ok(r)
     assert re.search(r"Submitted batch job \d+", r.stdout)
     check_job(report, output, SCRIPTS[script])
@@ -100,9 +127,22 @@ def test_crashing_rank_fails_the_job_fast(slurm, tmp_path, script):
     it in init_process_group for the whole 900 s timeout; srun --kill-on-bad-exit=1 must end the
     job at once, with a non-zero exit code."""
     t0 = time.monotonic()
-    r, output = sbatch(slurm, tmp_path, script, *SMALL, "--epochs", "2", "--crash-rank", "3",
-                       "--crash-at", "start",
-                       "--checkpoint-dir", tmp_path / "ckpt", ddp_timeout=900, timeout=420)
+    r, output = sbatch(
+        slurm,
+        tmp_path,
+        script,
+        *SMALL,
+        "--epochs",
+        "2",
+        "--crash-rank",
+        "3",
+        "--crash-at",
+        "start",
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        ddp_timeout=900,
+        timeout=420,
+    )
     elapsed = time.monotonic() - t0
     assert r.returncode != 0, output
     assert "error: rank 3 crashed on purpose" in output
@@ -115,22 +155,40 @@ def test_bare_srun_is_one_error_line_pointing_at_the_mapping(slurm):
     """srun alone gives each task SLURM_* variables only. The helper does not guess ranks from
     them: every task says, in one line, where the mapping to RANK/LOCAL_RANK/WORLD_SIZE lives
     (slurm/train_srun.sbatch, whose tasks test_sbatch_two_nodes runs)."""
-    r = run(["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "multinode.py"],
-            timeout=120, env=cpu_env(**slurm))
+    r = run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "multinode.py"],
+        timeout=120,
+        env=cpu_env(**slurm),
+    )
     errors = [l for l in error_lines(r) if l.startswith("error:")]  # srun adds its own lines
     assert r.returncode == 2 and len(errors) == 2, (r.returncode, r.stderr[-2000:])
     assert all("RANK" in e and "slurm/" in e for e in errors) and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("script,line", [("train.sbatch", "HEAD="), ("train_srun.sbatch", "export MASTER_ADDR=")])
+@pytest.mark.parametrize(
+    "script,line", [("train.sbatch", "HEAD="), ("train_srun.sbatch", "export MASTER_ADDR=")]
+)
 def test_first_node_of_the_node_list_comes_from_scontrol(slurm, script, line):
     """The scripts' own line that picks the rendezvous host, run on node lists Slurm writes."""
-    [code] = [l.strip() for l in (ROOT / "slurm" / script).read_text().splitlines()
-              if l.strip().startswith(line)]
+    [code] = [
+        l.strip()
+        for l in (ROOT / "slurm" / script).read_text().splitlines()
+        if l.strip().startswith(line)
+    ]
     var = line.split()[-1].rstrip("=")
-    for nodelist, first in [("node1", "node1"), ("node[1-2]", "node1"), ("a,b", "a"),
-                            ("gpu[03-05,9],cpu1", "gpu03"), ("x-y[7,8]", "x-y7"),
-                            ("rack[01-02]-node[01-04]", "rack01-node01")]:
-        r = subprocess.run(["bash", "-c", f'{code}\necho "${var}"'], capture_output=True, text=True,
-                           env=dict(os.environ, SLURM_JOB_NODELIST=nodelist, **slurm), timeout=30)
+    for nodelist, first in [
+        ("node1", "node1"),
+        ("node[1-2]", "node1"),
+        ("a,b", "a"),
+        ("gpu[03-05,9],cpu1", "gpu03"),
+        ("x-y[7,8]", "x-y7"),
+        ("rack[01-02]-node[01-04]", "rack01-node01"),
+    ]:
+        r = subprocess.run(
+            ["bash", "-c", f'{code}\necho "${var}"'],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, SLURM_JOB_NODELIST=nodelist, **slurm),
+            timeout=30,
+        )
         assert r.stdout.strip() == first, (nodelist, r.stdout, r.stderr)

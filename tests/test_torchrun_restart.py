@@ -1,5 +1,6 @@
 """Lesson 3 (multi_gpu_torchrun.py): workers die, torchrun restarts them, training resumes from
 the snapshot and ends exactly where an uninterrupted run ends. Real torchrun, 2 processes, gloo."""
+
 import glob
 import os
 import re
@@ -9,16 +10,26 @@ import time
 
 import pytest
 import torch
+from conftest import assert_ok, cpu_env, error_lines, run_python, run_torchrun, torchrun_cmd
 
 import multi_gpu_torchrun
-from conftest import assert_ok, cpu_env, error_lines, run_python, run_torchrun, torchrun_cmd
 
 SCRIPT = "multi_gpu_torchrun.py"
 # 256 samples / 2 ranks / batch 16 = 8 steps per epoch, 3 epochs = 24 steps; a snapshot every
 # 3 steps and at every epoch end. A wide model (~13 MB snapshots) so that a write takes long
 # enough to be caught in the middle by the kill-while-writing test; every test shares this run.
-RUN = ["--epochs", "3", "--samples", "256", "--batch-size", "16", "--hidden", "1024",
-       "--save-every", "3"]
+RUN = [
+    "--epochs",
+    "3",
+    "--samples",
+    "256",
+    "--batch-size",
+    "16",
+    "--hidden",
+    "1024",
+    "--save-every",
+    "3",
+]
 TIMEOUT = 240
 
 
@@ -76,8 +87,16 @@ def test_uninterrupted_run_learns(baseline):
 
 @pytest.mark.slow
 def test_fail_at_step_restarts_and_matches_uninterrupted(tmp_path, baseline):
-    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11",
-                     timeout=TIMEOUT, extra=RESTARTS)
+    r = run_torchrun(
+        SCRIPT,
+        *RUN,
+        "--checkpoint-dir",
+        tmp_path,
+        "--fail-at-step",
+        "11",
+        timeout=TIMEOUT,
+        extra=RESTARTS,
+    )
     assert_ok(r)
     assert done_lines(r)
     snap = load(tmp_path / "snapshot.pt")
@@ -112,16 +131,23 @@ def worker_pid(agent_pid, rank, restart=0):
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         except OSError:
             continue
-        if env.get(b"RANK") == str(rank).encode() and \
-                env.get(b"TORCHELASTIC_RESTART_COUNT") == str(restart).encode():
+        if (
+            env.get(b"RANK") == str(rank).encode()
+            and env.get(b"TORCHELASTIC_RESTART_COUNT") == str(restart).encode()
+        ):
             return pid
     return None
 
 
 def start_torchrun(*args, extra=()):
-    return subprocess.Popen([str(c) for c in torchrun_cmd(SCRIPT, *args, extra=extra)],
-                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [str(c) for c in torchrun_cmd(SCRIPT, *args, extra=extra)],
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc, timeout=TIMEOUT):
@@ -147,8 +173,10 @@ def wait_for(condition, proc, timeout=TIMEOUT, poll=0.02):
             return value
         if proc.poll() is not None:
             r = finish(proc)
-            pytest.fail(f"the run ended (exit {r.returncode}) before the kill\n{r.stdout[-2000:]}"
-                        f"\n{r.stderr[-2000:]}")
+            pytest.fail(
+                f"the run ended (exit {r.returncode}) before the kill\n{r.stdout[-2000:]}"
+                f"\n{r.stderr[-2000:]}"
+            )
         time.sleep(poll)
     finish(proc, timeout=1)
     pytest.fail("condition not reached in time")
@@ -163,8 +191,9 @@ def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_pat
     from scratch. It must end like an uninterrupted run."""
     path = tmp_path / "snapshot.pt"
     # --step-delay only slows the loop (0.1 s a step, ~2.5 s in all) so the kills land mid-run.
-    proc = start_torchrun(*RUN, "--checkpoint-dir", tmp_path, "--step-delay", "0.1",
-                          extra=["--max-restarts=3"])
+    proc = start_torchrun(
+        *RUN, "--checkpoint-dir", tmp_path, "--step-delay", "0.1", extra=["--max-restarts=3"]
+    )
     caught = None
     deadline = time.monotonic() + TIMEOUT
     while caught is None and time.monotonic() < deadline and proc.poll() is None:
@@ -188,6 +217,7 @@ def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_pat
         except Exception:  # being replaced
             return None
         return len(snap["history"]["starts"]) == 2 and snap["step"] > step_on_disk and snap["step"]
+
     seen = wait_for(saved_by_attempt_1, proc)
     victim = wait_for(lambda: worker_pid(proc.pid, rank=1, restart=1), proc)
     os.kill(victim, signal.SIGKILL)
@@ -205,38 +235,61 @@ def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_pat
 @pytest.mark.slow
 def test_no_restarts_fails_clearly_then_a_relaunch_resumes(tmp_path, baseline):
     path = tmp_path / "snapshot.pt"
-    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11",
-                     timeout=TIMEOUT, extra=["--max-restarts=0"])
+    r = run_torchrun(
+        SCRIPT,
+        *RUN,
+        "--checkpoint-dir",
+        tmp_path,
+        "--fail-at-step",
+        "11",
+        timeout=TIMEOUT,
+        extra=["--max-restarts=0"],
+    )
     assert r.returncode != 0
     assert not done_lines(r)
     # Who says it first is a race: rank 0 (it noticed the lost peer) or torchrun (it stopped rank 0 first,
     # and names the failed rank and its signal). One of them must, in one place.
     ours = any(l.startswith("error: rank 0 lost the other ranks") for l in error_lines(r))
-    assert ours or re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", r.stderr), r.stderr[-3000:]
+    assert ours or re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", r.stderr), r.stderr[
+        -3000:
+    ]
     assert load(path)["step"] == 9  # the last snapshot survives the failed job
     # Launched again (the marker stops a second suicide), the job resumes and ends the same.
-    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11",
-                     timeout=TIMEOUT, extra=RESTARTS)
+    r = run_torchrun(
+        SCRIPT,
+        *RUN,
+        "--checkpoint-dir",
+        tmp_path,
+        "--fail-at-step",
+        "11",
+        timeout=TIMEOUT,
+        extra=RESTARTS,
+    )
     assert_ok(r)
     snap = load(path)
     assert snap["history"]["starts"] == [[0, 0], [0, 9]]
     assert_same_state(snap, baseline)
 
 
-@pytest.mark.parametrize("args", [
-    ["--save-every", "-1"],
-    ["--epochs", "0"],
-    ["--epochs", "three"],               # not a number
-    ["3", "1"],                          # the old positional TOTAL_EPOCHS SAVE_EVERY
-    ["--batch-size", "0"],
-    ["--fail-at-step", "-1"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--save-every", "-1"],
+        ["--epochs", "0"],
+        ["--epochs", "three"],  # not a number
+        ["3", "1"],  # the old positional TOTAL_EPOCHS SAVE_EVERY
+        ["--batch-size", "0"],
+        ["--fail-at-step", "-1"],
+    ],
+)
 def test_bad_arguments_one_error_line(args, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as e:
         multi_gpu_torchrun.parse_args(args)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == 1, err
+    assert (
+        e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == 1
+    ), err
 
 
 def test_bad_argument_from_the_command_line_is_one_clean_line():
@@ -254,12 +307,15 @@ def test_bad_fail_rank_under_torchrun_one_error_line(rank, lines, capsys, monkey
     with pytest.raises(SystemExit) as e:
         multi_gpu_torchrun.parse_args(["--fail-at-step", "3", "--fail-rank", "2"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == lines
+    assert (
+        e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == lines
+    )
 
 
 def test_snapshot_from_another_model_is_one_error_line(tmp_path, baseline):
     torch.save(baseline, tmp_path / "snapshot.pt")
-    r = run_torchrun(SCRIPT, *RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path,
-                     timeout=TIMEOUT, nproc=1)
+    r = run_torchrun(
+        SCRIPT, *RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path, timeout=TIMEOUT, nproc=1
+    )
     assert r.returncode != 0
     assert error_lines(r) and all("does not match" in l for l in error_lines(r)), r.stderr[-3000:]

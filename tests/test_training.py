@@ -5,6 +5,7 @@ imports torch twice, not twenty times), then the failure paths (each one error l
 code, caught in the process), then the no_sync / --verify-sync / host-sync checks. Two torchrun
 "nodes" with node-local disks and a kill during a save run as real launches.
 """
+
 import contextlib
 import hashlib
 import io
@@ -21,14 +22,39 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    assert_ok,
+    cpu_env,
+    error_lines,
+    flat_tensors,
+    free_port,
+    init_spawned,
+    run,
+    run_torchrun,
+    run_torchrun_nodes,
+    spawn,
+    torchrun_cmd,
+    torchrun_env,
+)
 
 import ddp_common
-from conftest import (ROOT, assert_ok, cpu_env, error_lines, flat_tensors, free_port, init_spawned, run,
-                      run_torchrun, run_torchrun_nodes, spawn, torchrun_cmd, torchrun_env)
 
 # 100 synthetic samples: 90 train (45 per rank), 10 validation (a fixed 10%), 20 test.
-TINY = ["--model", "cnn", "--data", "synthetic", "--subset", "100", "--log-every", "1",
-        "--warmup-epochs", "0.5", "--seed", "3"]
+TINY = [
+    "--model",
+    "cnn",
+    "--data",
+    "synthetic",
+    "--subset",
+    "100",
+    "--log-every",
+    "1",
+    "--warmup-epochs",
+    "0.5",
+    "--seed",
+    "3",
+]
 # Equivalence: 2 ranks x B == 1 process x 2B, and 2 ranks x 2 micro x B == 1 x 4B. The LR is
 # scaled by the world size, so the 2-rank runs pass half of it: both then step with the same LR.
 EQ = ["--epochs", "2", "--weight-decay", "1e-4"]
@@ -38,7 +64,10 @@ SCENARIOS = {  # name -> (world size, flags)
     "sgd_w1": (1, EQ + ["--optimizer", "sgd", "--lr", "0.05", "--batch-size", "16"]),
     "adamw_w2": (2, EQ + ["--optimizer", "adamw", "--lr", "0.0015", "--batch-size", "8"]),
     "adamw_w1": (1, EQ + ["--optimizer", "adamw", "--lr", "0.003", "--batch-size", "16"]),
-    "accum_w2": (2, EQ + ["--lr", "0.025", "--batch-size", "5", "--accum-steps", "2", "--clip-grad", "0.5"]),
+    "accum_w2": (
+        2,
+        EQ + ["--lr", "0.025", "--batch-size", "5", "--accum-steps", "2", "--clip-grad", "0.5"],
+    ),
     "accum_w1": (1, EQ + ["--lr", "0.05", "--batch-size", "20", "--clip-grad", "0.5"]),
     # Resume: 12 steps straight vs 6 (stopped inside epoch 2), then --resume auto; then a resume
     # of the finished run (nothing left to do: evaluate, done, exit cleanly).
@@ -49,15 +78,79 @@ SCENARIOS = {  # name -> (world size, flags)
     # Early stopping: an LR too small to change any prediction -> no improvement after epoch 1.
     "early": (2, ["--epochs", "8", "--batch-size", "8", "--lr", "1e-9", "--patience", "2"]),
     # Mixed precision on CPU; bf16 also takes the --data auto fallback (no CIFAR-10 offline).
-    "bf16": (2, ["--subset", "400", "--epochs", "2", "--lr", "0.05", "--batch-size", "8", "--amp", "bf16",
-                 "--clip-grad", "1", "--verify-sync", "1", "--data", "auto"]),
-    "fp16": (2, ["--subset", "400", "--epochs", "2", "--lr", "0.05", "--batch-size", "8", "--amp", "fp16",
-                 "--clip-grad", "1"]),
+    "bf16": (
+        2,
+        [
+            "--subset",
+            "400",
+            "--epochs",
+            "2",
+            "--lr",
+            "0.05",
+            "--batch-size",
+            "8",
+            "--amp",
+            "bf16",
+            "--clip-grad",
+            "1",
+            "--verify-sync",
+            "1",
+            "--data",
+            "auto",
+        ],
+    ),
+    "fp16": (
+        2,
+        [
+            "--subset",
+            "400",
+            "--epochs",
+            "2",
+            "--lr",
+            "0.05",
+            "--batch-size",
+            "8",
+            "--amp",
+            "fp16",
+            "--clip-grad",
+            "1",
+        ],
+    ),
     # BatchNorm (buffers differ per rank) with a clock that jumps 1000 s in every evaluation.
-    "bn": (2, ["--model", "cnn-bn", "--epochs", "2", "--batch-size", "8", "--lr", "0.01", "--log-every", "2"]),
+    "bn": (
+        2,
+        [
+            "--model",
+            "cnn-bn",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "8",
+            "--lr",
+            "0.01",
+            "--log-every",
+            "2",
+        ],
+    ),
     # The real CIFAR-10 file format: 105 train / 17 test divide by neither world size nor batch.
-    "cifar": (2, ["--data", "cifar10", "--data-dir", "CIFAR", "--subset", "0", "--epochs", "2",
-                  "--batch-size", "8", "--profile", "--verify-sync", "2"]),
+    "cifar": (
+        2,
+        [
+            "--data",
+            "cifar10",
+            "--data-dir",
+            "CIFAR",
+            "--subset",
+            "0",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "8",
+            "--profile",
+            "--verify-sync",
+            "2",
+        ],
+    ),
 }
 DIRS = {"half": "resume", "rest": "resume"}  # the two halves share one checkpoint dir
 
@@ -70,8 +163,11 @@ def write_tiny_cifar(root, per_batch=21, n_test=17):
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         n = n_test if name == "test_batch" else per_batch
-        entry = {"batch_label": name, "labels": rng.integers(0, 10, n).tolist(),
-                 "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8)}
+        entry = {
+            "batch_label": name,
+            "labels": rng.integers(0, 10, n).tolist(),
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(entry, f)
 
@@ -101,6 +197,7 @@ def _instrumented(T, name, record):
             record.setdefault("eval_buffers", []).append(_buffers_sha(job.model))
             clock[0] += 1000.0
             return result
+
         fake_time = SimpleNamespace(perf_counter=lambda: time.perf_counter() + clock[0])
         return _patched(T, evaluate=evaluate, time=fake_time)
     if name == "rest":  # where the checkpoint is loaded, and whether it is freed before training
@@ -115,6 +212,7 @@ def _instrumented(T, name, record):
         def train_step(*a, **k):
             record.setdefault("alive_at_first_step", sum(r() is not None for r in record["refs"]))
             return real_step(*a, **k)
+
         return _patched(T, load_checkpoint=load_checkpoint, train_step=train_step)
     return contextlib.nullcontext()
 
@@ -125,9 +223,20 @@ def _scenarios(T, rank, out, ports):
         if rank >= size:
             continue
         torchrun_env(rank, size, ports[name])
-        flags = [str(out / "straight" / "last.pt") if f == "STRAIGHT" else str(out / "data") if f == "CIFAR"
-                 else f for f in flags]
-        argv = TINY + ["--data-dir", str(out / "nodata")] + flags + ["--checkpoint-dir", str(out / DIRS.get(name, name))]
+        flags = [
+            str(out / "straight" / "last.pt")
+            if f == "STRAIGHT"
+            else str(out / "data")
+            if f == "CIFAR"
+            else f
+            for f in flags
+        ]
+        argv = (
+            TINY
+            + ["--data-dir", str(out / "nodata")]
+            + flags
+            + ["--checkpoint-dir", str(out / DIRS.get(name, name))]
+        )
         record, stdout = {}, io.StringIO()
         with _instrumented(T, name, record), contextlib.redirect_stdout(stdout):
             results[name] = T.main(argv)
@@ -165,26 +274,53 @@ def _failures(T, rank, out, ports):
                 ckpt["model"]["13.weight"] = torch.zeros(10, 7)
                 torch.save(ckpt, path)
         bad[damage] = ["--resume", str(path), "--batch-size", "8"]
-    cases = {**bad,
-             "missing": ["--resume", str(out / "nope.pt")],
-             "too_few": ["--batch-size", "64"],
-             "offline": ["--data", "cifar10", "--data-dir", str(out / "nodata")],
-             # rank 0's node has CIFAR-10 on its local disk, rank 1's node has none
-             "one_node_lacks_data": ["--data", "cifar10", "--data-dir", str(out / ("data" if rank == 0 else "nodata"))],
-             # checkpoint of 2 ranks x 8 resumed by 1 process; one of 1 x 16 resumed by 2 ranks x 8
-             "fewer_ranks": ["--resume", str(out / "sgd_w2" / "last.pt"), "--batch-size", "8"],
-             "more_ranks": ["--resume", str(out / "sgd_w1" / "last.pt"), "--batch-size", "8"]}
+    cases = {
+        **bad,
+        "missing": ["--resume", str(out / "nope.pt")],
+        "too_few": ["--batch-size", "64"],
+        "offline": ["--data", "cifar10", "--data-dir", str(out / "nodata")],
+        # rank 0's node has CIFAR-10 on its local disk, rank 1's node has none
+        "one_node_lacks_data": [
+            "--data",
+            "cifar10",
+            "--data-dir",
+            str(out / ("data" if rank == 0 else "nodata")),
+        ],
+        # checkpoint of 2 ranks x 8 resumed by 1 process; one of 1 x 16 resumed by 2 ranks x 8
+        "fewer_ranks": ["--resume", str(out / "sgd_w2" / "last.pt"), "--batch-size", "8"],
+        "more_ranks": ["--resume", str(out / "sgd_w1" / "last.pt"), "--batch-size", "8"],
+    }
     results = {}
     for name, flags in cases.items():
         size = 1 if name == "fewer_ranks" else 2
         if rank < size:
-            torchrun_env(rank, size, ports[name], local_world_size=1 if name == "one_node_lacks_data" else None)
-            results[name] = _expect_exit(T, TINY + ["--epochs", "2", "--checkpoint-dir", str(out / "fail")] + flags)
+            torchrun_env(
+                rank,
+                size,
+                ports[name],
+                local_world_size=1 if name == "one_node_lacks_data" else None,
+            )
+            results[name] = _expect_exit(
+                T, TINY + ["--epochs", "2", "--checkpoint-dir", str(out / "fail")] + flags
+            )
     # --data auto with CIFAR-10 on one node only: every rank takes the synthetic set
     torchrun_env(rank, 2, ports["auto_one_node"], local_world_size=1)
     with contextlib.redirect_stdout(io.StringIO()):
-        results["auto_one_node"] = T.main(TINY + ["--data", "auto", "--batch-size", "8", "--max-steps", "1", "--checkpoint-dir",
-                                                 str(out / "auto1"), "--data-dir", str(out / ("data" if rank == 0 else "nodata"))])
+        results["auto_one_node"] = T.main(
+            TINY
+            + [
+                "--data",
+                "auto",
+                "--batch-size",
+                "8",
+                "--max-steps",
+                "1",
+                "--checkpoint-dir",
+                str(out / "auto1"),
+                "--data-dir",
+                str(out / ("data" if rank == 0 else "nodata")),
+            ]
+        )
     return results
 
 
@@ -198,10 +334,15 @@ class _Copies(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not sys._getframe(1).f_code.co_filename.endswith("ddp_training.py"):  # the lesson's own calls
+        if not sys._getframe(1).f_code.co_filename.endswith(
+            "ddp_training.py"
+        ):  # the lesson's own calls
             return func(*args, **kwargs)
-        if func is torch.Tensor.to and not kwargs.get("non_blocking") and (
-                "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])):
+        if (
+            func is torch.Tensor.to
+            and not kwargs.get("non_blocking")
+            and ("device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:]))
+        ):
             self.found.append(f"blocking .to(device), line {sys._getframe(1).f_lineno}")
         if func in (torch.tensor, torch.as_tensor) and "device" in kwargs:
             self.found.append(f"torch.tensor(..., device=...), line {sys._getframe(1).f_lineno}")
@@ -212,6 +353,7 @@ def _units(T, rank, world, port, out):
     """no_sync under three DDP configurations, --verify-sync, and the host-sync rule."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     ddp = init_spawned(rank, world, port)
     results = {}
     for variant in ({}, {"static_graph": True}, {"gradient_as_bucket_view": True}):
@@ -223,12 +365,15 @@ def _units(T, rank, world, port, out):
         def counting_hook(state, bucket):
             calls[0] += 1
             return default_hooks.allreduce_hook(state, bucket)
+
         ddp_model.register_comm_hook(None, counting_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         g = torch.Generator().manual_seed(rank)
-        micro = [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g))
-                 for _ in range(4)]
+        micro = [
+            (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g))
+            for _ in range(4)
+        ]
         counts = []
         for accum in (1, 1, 1, 4, 1, 3):  # DDP rebuilds its buckets in the first steps
             calls[0] = 0
@@ -237,8 +382,13 @@ def _units(T, rank, world, port, out):
         results[" ".join(variant) or "plain"] = (counts, T.verify_sync(model))
     # The hot paths: augmentation, a step, an evaluation; none may copy Python numbers to the device.
     norm = [torch.tensor(v).view(1, 3, 1, 1) for v in (T.MEAN, T.STD)]
-    images, labels = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (8,))
-    job = SimpleNamespace(model=model, ddp=ddp, amp_dtype=None, norm=norm, args=SimpleNamespace(batch_size=4))
+    images, labels = (
+        torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8),
+        torch.randint(0, 10, (8,)),
+    )
+    job = SimpleNamespace(
+        model=model, ddp=ddp, amp_dtype=None, norm=norm, args=SimpleNamespace(batch_size=4)
+    )
     with _Copies() as copies:
         x = T.to_input(images, norm, (torch.arange(8), 1, 0))
         T.train_step(ddp_model, ddp_model, opt, scaler, [(x, labels)], None, 1.0)
@@ -255,7 +405,9 @@ def _units(T, rank, world, port, out):
 
 def _worker(rank, world, port, out, ports):
     import pathlib
+
     import ddp_training as T
+
     out = pathlib.Path(out)
     results = {"scenarios": _scenarios(T, rank, out, ports)}
     results["failures"] = _failures(T, rank, out, ports)
@@ -267,8 +419,18 @@ def _worker(rank, world, port, out, ports):
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("training")
     write_tiny_cifar(out / "data")
-    names = list(SCENARIOS) + ["truncated", "corrupt", "shape", "missing", "too_few", "offline",
-                               "one_node_lacks_data", "fewer_ranks", "more_ranks", "auto_one_node"]
+    names = list(SCENARIOS) + [
+        "truncated",
+        "corrupt",
+        "shape",
+        "missing",
+        "too_few",
+        "offline",
+        "one_node_lacks_data",
+        "fewer_ranks",
+        "more_ranks",
+        "auto_one_node",
+    ]
     spawn(_worker, 2, str(out), {name: free_port() for name in names})
     return out, [torch.load(out / f"results{r}.pt", weights_only=False) for r in range(2)]
 
@@ -288,6 +450,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(spawned, optim):
     two, one = _ckpt(out, f"{optim}_w2"), _ckpt(out, f"{optim}_w1")
     assert two["step"] == one["step"] == (8 if optim == "accum" else 10)
     import ddp_training
+
     torch.manual_seed(3)  # --seed 3: the initial weights of both runs
     init = ddp_training.build_model("cnn").state_dict()
     # How far apart the runs end, relative to how far training moved the weights. Float sums in
@@ -303,8 +466,10 @@ def test_two_ranks_equal_one_process_with_the_global_batch(spawned, optim):
     opt2, opt1 = flat_tensors(two["optimizer"]["state"]), flat_tensors(one["optimizer"]["state"])
     assert opt2.keys() == opt1.keys() and opt2
     for key in opt2:  # momentum / Adam moments (and step counts)
-        assert float((opt2[key].double() - opt1[key].double()).norm()) <= \
-            bound * float(opt1[key].double().norm()) + 1e-12, f"{optim}: {key}"
+        assert (
+            float((opt2[key].double() - opt1[key].double()).norm())
+            <= bound * float(opt1[key].double().norm()) + 1e-12
+        ), f"{optim}: {key}"
 
 
 def test_equivalence_is_not_trivial(spawned):
@@ -319,7 +484,10 @@ def test_resume_continues_bitwise(spawned):
     parameters, optimizer state, schedule, progress counters, best-k list and RNG states."""
     out, results = spawned
     straight, resumed = _ckpt(out, "straight"), _ckpt(out, "rest")
-    assert results[0]["scenarios"]["half"]["step"] == 6 and results[0]["scenarios"]["half"]["epoch_step"] == 2
+    assert (
+        results[0]["scenarios"]["half"]["step"] == 6
+        and results[0]["scenarios"]["half"]["epoch_step"] == 2
+    )
     assert straight["step"] == resumed["step"] == 12 and straight["epoch"] == resumed["epoch"] == 3
     for name, p in straight["model"].items():
         assert torch.equal(p, resumed["model"][name]), name
@@ -353,7 +521,16 @@ def test_resuming_a_finished_run_is_a_clean_no_op(spawned):
 def test_checkpoint_contents_and_best_k(spawned):
     out, _ = spawned
     ckpt = _ckpt(out, "straight")
-    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "epoch_step", "step", "rng"} <= ckpt.keys()
+    assert {
+        "model",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "epoch",
+        "epoch_step",
+        "step",
+        "rng",
+    } <= ckpt.keys()
     assert len(ckpt["rng"]) == 2 and isinstance(ckpt["rng"][1][0], torch.Tensor)
     assert not any(k.startswith("module.") for k in ckpt["model"])  # model.module was saved
     assert ckpt["scheduler"]["base_lrs"] == [0.02]  # cnn default 0.01 x 2 ranks (linear scaling)
@@ -367,7 +544,9 @@ def test_checkpoint_contents_and_best_k(spawned):
 def test_early_stopping_ends_every_rank_at_the_same_epoch(spawned):
     out, results = spawned
     # epoch 1 sets the best; epochs 2 and 3 do not improve it -> patience 2 stops after epoch 3.
-    assert results[0]["scenarios"]["early"]["epoch"] == results[1]["scenarios"]["early"]["epoch"] == 3
+    assert (
+        results[0]["scenarios"]["early"]["epoch"] == results[1]["scenarios"]["early"]["epoch"] == 3
+    )
     assert _ckpt(out, "early")["epoch"] == 3
 
 
@@ -375,7 +554,9 @@ def test_early_stopping_ends_every_rank_at_the_same_epoch(spawned):
 def test_mixed_precision_on_cpu_learns(spawned, amp):
     out, results = spawned
     res = results[0]["scenarios"][amp]
-    assert res["loss"] < 0.6 * math.log(10), res["stdout"][-2000:]  # from ~ln(10) = 2.30 at the start
+    assert res["loss"] < 0.6 * math.log(10), res["stdout"][
+        -2000:
+    ]  # from ~ln(10) = 2.30 at the start
     assert res["val_acc"] > 0.5
     scaler = _ckpt(out, amp)["scaler"]
     assert ("scale" in scaler) == (amp == "fp16")  # fp16 trains with a GradScaler, bf16 without
@@ -391,14 +572,20 @@ def test_batchnorm_buffers_are_the_same_on_every_rank_when_evaluated_and_saved(s
     assert len(evals[0]) == 3 and evals[0] == evals[1]  # 2 epoch ends + the final test evaluation
     saved = _ckpt(out, "bn")["model"]
     buffers = [saved[k] for k in saved if "running" in k or "num_batches" in k]
-    assert hashlib.sha256(b"".join(b.numpy().tobytes() for b in buffers)).hexdigest() == evals[0][-1]
+    assert (
+        hashlib.sha256(b"".join(b.numpy().tobytes() for b in buffers)).hexdigest() == evals[0][-1]
+    )
 
 
 def test_samples_per_second_leaves_out_evaluation_time(spawned):
     """The clock jumps 1000 s in every evaluation: the first log line of epoch 2 still reports the
     training throughput (at most a few hundred samples/s would be left otherwise: 16 / 1000 s)."""
     _, results = spawned
-    lines = [l for l in results[0]["scenarios"]["bn"]["stdout"].splitlines() if l.startswith("epoch 2/2 | step")]
+    lines = [
+        l
+        for l in results[0]["scenarios"]["bn"]["stdout"].splitlines()
+        if l.startswith("epoch 2/2 | step")
+    ]
     rate = float(lines[0].split(" samples/s")[0].rsplit("| ", 1)[1])
     assert rate > 1, lines[0]
 
@@ -418,7 +605,9 @@ def test_real_cifar_files_uneven_sizes_profile_and_sync_check(spawned):
 def _one_line(results, name, code=None, ranks=(0, 1)):
     outcomes = [results[r]["failures"][name] for r in ranks]
     lines = {l for _, err in outcomes for l in err.splitlines() if l.startswith("error: ")}
-    assert len(lines) == 1 and all(c != 0 and (code is None or c == code) for c, _ in outcomes), outcomes
+    assert len(lines) == 1 and all(c != 0 and (code is None or c == code) for c, _ in outcomes), (
+        outcomes
+    )
     assert all("Traceback" not in err for _, err in outcomes)
     return lines.pop()
 
@@ -450,7 +639,9 @@ def test_a_node_without_the_data_fails_every_rank_with_one_line(spawned):
 
 def test_data_auto_agrees_on_one_dataset_across_nodes(spawned):
     _, results = spawned
-    assert [results[r]["failures"]["auto_one_node"]["dataset"] for r in range(2)] == ["synthetic"] * 2
+    assert [results[r]["failures"]["auto_one_node"]["dataset"] for r in range(2)] == [
+        "synthetic"
+    ] * 2
 
 
 def test_resume_with_another_world_size_is_refused(spawned):
@@ -462,11 +653,15 @@ def test_resume_with_another_world_size_is_refused(spawned):
 
 def test_bad_flags_exit_2_with_one_error_line(capsys):
     import ddp_training
+
     for flags in (["--accum-steps", "0"], ["--lr", "0"], ["--amp", "fp8"], ["--epochs", "-1"]):
         with pytest.raises(SystemExit) as e:
             ddp_training.parse_args(flags)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, (flags, err)
+        assert e.value.code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, (
+            flags,
+            err,
+        )
     r = run([sys.executable, ROOT / "ddp_training.py", "--accum-steps", "0"], timeout=240)
     assert r.returncode == 2 and len(error_lines(r)) == 1 and "Traceback" not in r.stderr
 
@@ -501,8 +696,11 @@ def test_amp_auto_takes_bf16_only_where_the_gpu_has_it(monkeypatch):
     """An emulated bf16 (a T4: is_bf16_supported() says yes, including_emulation=False says no)
     gets fp16 with a GradScaler; an A100/H100 gets bf16; a CPU gets none unless asked."""
     import ddp_training as T
+
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
     assert T.pick_amp("auto", gpu) == "fp16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert T.pick_amp("auto", gpu) == "bf16"
@@ -518,13 +716,18 @@ def test_two_nodes_with_local_disks_agree_on_data_and_on_resume(tmp_path):
     --resume auto stops every rank with one line (before: rank 0 resumed, rank 1 started fresh)."""
     write_tiny_cifar(tmp_path / "d0")
     common = TINY + ["--data", "auto", "--epochs", "1", "--batch-size", "8", "--max-steps", "2"]
-    nodes = [common + ["--data-dir", tmp_path / f"d{i}", "--checkpoint-dir", tmp_path / f"c{i}"] for i in range(2)]
+    nodes = [
+        common + ["--data-dir", tmp_path / f"d{i}", "--checkpoint-dir", tmp_path / f"c{i}"]
+        for i in range(2)
+    ]
     first = run_torchrun_nodes("ddp_training.py", nodes, timeout=240)
     for r in first:
         assert_ok(r)
     assert "done: data synthetic" in first[0].stdout and "warning: no CIFAR-10" in first[0].stdout
     assert (tmp_path / "c0" / "last.pt").is_file() and not (tmp_path / "c1" / "last.pt").exists()
-    second = run_torchrun_nodes("ddp_training.py", [n + ["--resume", "auto"] for n in nodes], timeout=240)
+    second = run_torchrun_nodes(
+        "ddp_training.py", [n + ["--resume", "auto"] for n in nodes], timeout=240
+    )
     assert all(r.returncode == 1 for r in second), [r.stderr[-1500:] for r in second]
     lines = {l for r in second for l in error_lines(r)}
     assert len(lines) == 1 and "different checkpoints" in lines.pop()
@@ -536,13 +739,28 @@ def test_kill_during_save_leaves_last_checkpoint_loadable(tmp_path):
     """SIGKILL the whole job while rank 0 is writing last.pt (its temp file exists): last.pt is
     still a complete checkpoint, and --resume auto continues from it to the end."""
     ckpt = tmp_path / "ckpt"
-    flags = TINY + ["--subset", "200", "--epochs", "2", "--batch-size", "8", "--save-every", "1",
-                    "--checkpoint-dir", ckpt]
+    flags = TINY + [
+        "--subset",
+        "200",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--save-every",
+        "1",
+        "--checkpoint-dir",
+        ckpt,
+    ]
     killed_mid_save = False
     for _attempt in range(3):
-        proc = subprocess.Popen([str(c) for c in torchrun_cmd("ddp_training.py", *flags)], cwd=ROOT,
-                                env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(c) for c in torchrun_cmd("ddp_training.py", *flags)],
+            cwd=ROOT,
+            env=cpu_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 200
             while time.time() < deadline and proc.poll() is None:
