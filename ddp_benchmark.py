@@ -588,7 +588,8 @@ def main(argv=None):
         open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else nullcontext([]) as f
     ):  # Linux
         cpu = next(
-            (l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "unknown CPU"
+            (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+            "unknown CPU",
         )
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else None
     machine = {

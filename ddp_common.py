@@ -14,105 +14,147 @@ import torch.distributed as dist
 
 
 @dataclass
-class Dist:  # where this process sits in the job
+class Dist:
+    """Where this process sits in the job."""
+
     rank: int  # global rank: 0 .. world_size-1, across all nodes
     local_rank: int  # rank on this node: picks the GPU
     world_size: int
-    local_world_size: int
+    local_world_size: int  # processes on this node
     node_rank: int
     device: torch.device
     backend: str
     launcher: str  # "torchrun" (or env set by hand), "spawn" or "slurm" (srun tasks)
-    is_main = property(lambda self: self.rank == 0)
+
+    @property
+    def is_main(self):
+        return self.rank == 0
 
 
 def fail(message, code=2, rank0_only=False):
-    """One `error:` line, no traceback; exit 2: a mistake to fix, 1: run time. rank0_only: once."""
+    """One `error:` line, no traceback. Exit 2: a mistake to fix; 1: a failure at run time."""
     if not rank0_only or get_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
-def _launch_env(rank, world_size):
-    env = os.environ
-    if rank is not None:  # mp.spawn passes them (one node); torchrun (or srun: slurm/) sets env
-        return "spawn", rank, world_size, rank, world_size, 0
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
-    if missing:
-        fail(
-            f"{', '.join(missing)} not set (a launcher sets them). Launch with: torchrun "
-            f"--standalone --nproc_per_node=2 {os.path.basename(sys.argv[0])} (or see slurm/)"
-        )
-    # The local rank picks the GPU; the global rank equals it only when the job is one node.
-    if "LOCAL_RANK" not in env and env["WORLD_SIZE"] not in ("1", env.get("LOCAL_WORLD_SIZE")):
-        fail(
-            f"LOCAL_RANK is not set (RANK {env['RANK']} of WORLD_SIZE {env['WORLD_SIZE']}): the "
-            "global rank is this node's GPU index only on one node. Export LOCAL_RANK per process"
-        )
-    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
-    node_rank = int(env.get("GROUP_RANK", rank // local_world))  # torchrun's name for it
-    launcher = "slurm" if "SLURM_PROCID" in env and "TORCHELASTIC_RUN_ID" not in env else "torchrun"
-    return launcher, rank, world_size, int(env.get("LOCAL_RANK", rank)), local_world, node_rank
-
-
-def pick_device(local_rank, backend="auto"):
-    """The local rank's GPU when there is one, else the CPU; NCCL on CUDA, gloo otherwise."""
-    if not torch.cuda.is_available():
-        if backend == "nccl":
-            fail("--backend nccl needs CUDA GPUs, and none is visible: use --backend gloo")
-        return torch.device("cpu"), "gloo"
-    if local_rank >= torch.cuda.device_count():
-        fail(
-            f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
-            "Start at most one process per GPU (--nproc_per_node)"
-        )
-    # Local rank, never global rank: on node 2 the global ranks are 8..15 but the GPUs are 0..7.
-    return torch.device("cuda", local_rank), ("nccl" if backend == "auto" else backend)
-
-
 def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
-    """Join the process group. Pass rank and world_size under mp.spawn; torchrun/srun set env."""
-    launcher, rank, world_size, local_rank, local_world, node_rank = _launch_env(rank, world_size)
-    device, backend = pick_device(local_rank, backend)
+    """Join the process group: lesson 0's calls. Pass rank and world_size under mp.spawn; torchrun
+    (and slurm/train_srun.sbatch) tell each process who it is in environment variables."""
+    if rank is None:
+        launcher = read_launcher_env()
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        # torchrun calls the node's rank GROUP_RANK; srun tasks are laid out node by node.
+        node_rank = int(os.environ.get("GROUP_RANK", rank // local_world_size))
+    else:
+        # mp.spawn starts every process on this machine: global and local rank are the same.
+        launcher = "spawn"
+        local_rank = rank
+        local_world_size = world_size
+        node_rank = 0
+    device, backend = pick_device(local_rank, local_world_size, backend)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init: NCCL binds each process to its own GPU
-    else:  # CPU ranks share the cores: one thread pool each would oversubscribe them
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("DDP_TIMEOUT", 600)))
-    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    try:  # env://: rank 0 hosts a store at MASTER_ADDR:MASTER_PORT, the other ranks connect to it
+        # Before init: NCCL binds each process to the GPU that is current when it joins.
+        torch.cuda.set_device(device)
+    else:
+        # CPU ranks share the cores: a full thread pool each would oversubscribe them.
+        torch.set_num_threads(max(1, cpu_count() // local_world_size))
+    seconds = timeout_s or float(os.environ.get("DDP_TIMEOUT", 600))
+    timeout = datetime.timedelta(seconds=seconds)
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        # env://: rank 0 hosts a store at MASTER_ADDR:MASTER_PORT, the others connect to it.
         dist.init_process_group(
             backend,
             rank=rank,
             world_size=world_size,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-            store=_torchrun_shared_store(world_size, timeout),
+            store=torchrun_store(world_size, timeout),
         )
     except dist.DistError as e:
         if "EADDRINUSE" in str(e):
-            fail(
-                f"port {port} is already in use on {addr}: pick a free one "
-                "(torchrun --master-port, or MASTER_PORT=...)"
-            )
+            fail(f"{address} is already in use: pick a free port (--master-port, MASTER_PORT=)")
         fail(
-            f"rank {rank} could not join the process group at {addr}:{port} within "
-            f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}). Are all {world_size} "
-            "ranks started, and is MASTER_ADDR reachable?",
+            f"rank {rank} could not join the process group at {address} within {seconds:.0f} s "
+            f"({str(e).splitlines()[0]}). Are all {world_size} ranks started, and is the address "
+            "reachable?",
             code=1,
         )
-    return Dist(rank, local_rank, world_size, local_world, node_rank, device, backend, launcher)
+    return Dist(
+        rank, local_rank, world_size, local_world_size, node_rank, device, backend, launcher
+    )
 
 
-def _torchrun_shared_store(world_size, timeout):
+def read_launcher_env():
+    """Check what torchrun (or srun) sets; fill in what one node can infer. Returns the launcher."""
+    env = os.environ
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+    if missing:
+        script = os.path.basename(sys.argv[0])
+        fail(
+            f"{', '.join(missing)} not set (a launcher sets them). Launch with: "
+            f"torchrun --standalone --nproc_per_node=2 {script} (or see slurm/)"
+        )
+    # The local rank picks the GPU. It equals the global rank only when the job is one node.
+    one_node = env["WORLD_SIZE"] in ("1", env.get("LOCAL_WORLD_SIZE"))
+    if "LOCAL_RANK" not in env:
+        if not one_node:
+            fail(
+                f"LOCAL_RANK is not set (RANK {env['RANK']} of WORLD_SIZE {env['WORLD_SIZE']}): "
+                "the global rank is this node's GPU index only on one node. Export LOCAL_RANK"
+            )
+        env["LOCAL_RANK"] = env["RANK"]
+    env.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "TORCHELASTIC_RUN_ID" not in env:
+        return "slurm"
+    return "torchrun"
+
+
+def pick_device(local_rank, local_world_size, backend="auto"):
+    """The local rank's GPU when every process on this node has one, else the CPU and gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= local_world_size:
+        # Local rank, never global: on node 1 the global ranks are 8..15 but the GPUs are 0..7.
+        device = torch.device("cuda", local_rank)
+    elif gpus == 1 and one_gpu_per_process():
+        device = torch.device("cuda", 0)
+    elif backend == "nccl":
+        fail(f"--backend nccl needs a GPU per process: {gpus} visible for {local_world_size}")
+    else:
+        if gpus > 0 and local_rank == 0:
+            print(
+                f"warning: {local_world_size} processes on this node but {gpus} GPU(s) visible: "
+                f"every rank runs on the CPU with gloo (use --nproc_per_node={gpus} for the GPUs)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return torch.device("cpu"), "gloo"
+    if backend == "auto":
+        backend = "nccl"
+    return device, backend
+
+
+def one_gpu_per_process():
+    """Why: a site that binds one GPU per task (srun --gpus-per-task, Kubernetes) shows each
+    process one GPU, named in CUDA_VISIBLE_DEVICES; it is cuda:0 in every process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return visible.strip() != "" and "," not in visible
+
+
+def torchrun_store(world_size, timeout):
     """Why: plain torchrun keeps ONE store for all restart attempts, so each attempt gets its own
     namespace (the dead attempt's keys hold addresses of gone peers). A node whose workers did
     not fail restarts uncounted: 2+ nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (fresh ones)."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # torchrun gave this attempt a fresh store: the standard env:// path
-    restarts, nodes = int(env["TORCHELASTIC_MAX_RESTARTS"]), int(env["GROUP_WORLD_SIZE"])
+        # torchrun gave this attempt a fresh store: the standard env:// path.
+        return None
+    restarts = int(env["TORCHELASTIC_MAX_RESTARTS"])
+    nodes = int(env["GROUP_WORLD_SIZE"])
     if env["RANK"] == "0" and restarts > 0 and nodes > 1:
         print(
             "warning: torchrun shares one store across restarts, and on several nodes a restart "
@@ -124,14 +166,17 @@ def _torchrun_shared_store(world_size, timeout):
 
 
 def cleanup():
-    """Leave the group. `del model` first: DDP alive at exit can abort gloo; gc frees its cycles."""
+    """Leave the group. `del` the DDP model first: alive at exit it can abort gloo."""
+    # The wrapper sits in reference cycles: collect them while the group still exists.
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def get_rank():
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
 
 
 def print0(*args, **kwargs):
@@ -142,28 +187,65 @@ def print0(*args, **kwargs):
 
 def set_seed(seed, rank=0):
     """Same seed on every rank -> same init; add the rank for per-rank randomness (augmentation)."""
-    for seed_fn in (random.seed, np.random.seed, torch.manual_seed):
-        seed_fn(seed + rank)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
 
 
-def free_port(host="127.0.0.1"):  # a port free now: mp.spawn launchers must pick MASTER_PORT
+def cpu_count():
+    """Cores this process may use: its affinity (Slurm, taskset) on Linux; all of them elsewhere."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    # macOS and Windows have no affinity call.
+    return os.cpu_count() or 1
+
+
+def pick_amp(choice, device):
+    """--amp auto: bf16 where the GPU has it natively (a T4 only emulates it), else fp16 (with a
+    GradScaler); off on the CPU. Returns "bf16", "fp16" or "off"."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "off"
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16"
+    return "fp16"
+
+
+def free_port(host="127.0.0.1"):
+    """A port free now: the parent of mp.spawn picks MASTER_PORT for its workers."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def save_checkpoint(state, path, writer=None):
-    """Atomic: temp file, fsync, rename (a crash mid-save leaves the old file). Call on every rank:
-    rank 0 writes (or where `writer` is True: local rank 0 on node-local disks), all then wait."""
-    if writer if writer is not None else get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp := f"{path}.tmp{os.getpid()}", "wb") as f:
+    """Atomic: a temp file beside `path`, fsync, rename, fsync the directory: a crash leaves the
+    old file. Call on every rank: rank 0 writes (or where `writer` is True, say local rank 0 on
+    node-local disks), then all wait."""
+    if writer is None:
+        writer = get_rank() == 0
+    if writer:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        # A fresh random name, created exclusively (O_EXCL): a link planted in a shared folder is
+        # not followed, and two nodes saving to one path never write the same temp file.
+        tmp = f"{path}.{os.urandom(8).hex()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        # The rename lives in the directory: sync it too, or a power cut can forget it.
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # nobody reads or resumes from a file still being written
+        # Nobody reads or resumes from a file still being written.
+        dist.barrier()
 
 
 def load_checkpoint(path, device="cpu", **targets):
@@ -173,7 +255,8 @@ def load_checkpoint(path, device="cpu", **targets):
         fail(f"checkpoint {path} does not exist")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a torch file
+    except Exception as e:
+        # Truncated, corrupt, or not a torch file.
         fail(f"checkpoint {path} is unreadable ({str(e).splitlines()[0][:120]}). Delete it", code=1)
     for key, obj in targets.items():
         try:

@@ -119,9 +119,9 @@ def machine():
     if os.path.isfile("/proc/cpuinfo"):
         cpu = next(
             (
-                l.split(":", 1)[1].strip()
-                for l in open("/proc/cpuinfo")
-                if l.startswith("model name")
+                line.split(":", 1)[1].strip()
+                for line in open("/proc/cpuinfo")
+                if line.startswith("model name")
             ),
             cpu,
         )

@@ -18,9 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # so tests (and mp.spawn children) can import the lessons
-# The tests oversubscribe the cores (3 workers, each running several processes). An OpenMP thread
-# that finished its part of an op spins, waiting for the next, on a core another test needs: PASSIVE
-# makes it sleep (a two-node test alone: 22-37 s of CPU -> 14 s). Set before any process loads torch.
+# The tests oversubscribe the cores (3 workers, each running several processes). An OpenMP
+# thread that finished its part of an op spins, waiting for the next, on a core another test
+# needs: PASSIVE makes it sleep (a two-node test alone: 22-37 s of CPU -> 14 s). Set before any
+# process loads torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -207,7 +208,7 @@ def run_nodes(cmds, tmp_path=None, timeout=240, env=None):
     finally:
         kill_tree(*(p.pid for p in procs))
     results = []
-    for p, cmd, (out, err) in zip(procs, cmds, logs):
+    for p, cmd, (out, err) in zip(procs, cmds, logs, strict=True):
         p.wait()
         out.seek(0), err.seek(0)
         results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read()))
@@ -269,7 +270,9 @@ def error_lines(result):
     """The `error:` lines a failed run printed (the interface for user mistakes); argparse's
     `prog: error: ...` lines count too."""
     return [
-        l for l in (result.stderr + result.stdout).splitlines() if re.match(r"(\S+: )?error: ", l)
+        line
+        for line in (result.stderr + result.stdout).splitlines()
+        if re.match(r"(\S+: )?error: ", line)
     ]
 
 
@@ -372,15 +375,15 @@ def assert_clean_failure(result, code=None):
     errs = error_lines(result)
     assert errs, f"no error line:\n{result.stderr[-2000:]}"
     ours = [
-        l
-        for l in result.stderr.splitlines()
-        if re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv)', l)
+        line
+        for line in result.stderr.splitlines()
+        if re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv)', line)
     ]
     assert not ours, "traceback from the course's code:\n" + "\n".join(ours)
     return errs
 
 
-# ---- a real two-node Slurm on this machine (lesson 4; used by test_slurm.py and test_readme.py) ----
+# ---- a real two-node Slurm on this machine (lesson 4: test_slurm.py and test_readme.py) ----
 CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
 
 
@@ -403,11 +406,12 @@ def slurm():
         if in_ci:
             pytest.fail(f"CI must run the Slurm tests, but {reason}")
         pytest.skip(f"no test Slurm: {reason}")
-    # Its own state dir and ports: two test sessions at once get two clusters, not one torn down under the other.
+    # Its own state dir and ports: two test sessions at once get two clusters, not one torn down
+    # under the other.
     state_dir = tempfile.mkdtemp(prefix="ddp-course-slurm-", dir="/tmp")
     port = free_port(3)  # slurmctld, then one per slurmd
-    # The sbatch scripts' rendezvous port is 20000 + job id % 20000: ids from port + 10000 keep it off
-    # this cluster's ports and apart from another session's (its ports differ).
+    # The sbatch scripts' rendezvous port is 20000 + job id % 20000: ids from port + 10000 keep it
+    # off this cluster's ports and apart from another session's (its ports differ).
     env = dict(
         os.environ,
         SLURM_TEST_DIR=state_dir,

@@ -4,6 +4,7 @@ its restart store, and its checkpoint functions."""
 import json
 import os
 import socket
+import stat
 import sys
 from datetime import timedelta
 
@@ -27,7 +28,7 @@ PROBE = "tests/probe_setup.py"
 
 def probe_records(result):
     return sorted(
-        (json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")),
+        (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
         key=lambda r: r["rank"],
     )
 
@@ -41,7 +42,7 @@ def test_setup_under_torchrun():
         assert r["world_size"] == 2 and r["local_world_size"] == 2 and r["launcher"] == "torchrun"
         assert r["local_rank"] == r["rank"] and r["backend"] == "gloo" and r["device"] == "cpu"
         assert r["rank_sum"] == 1.0  # the all-reduce really went across both processes
-        assert r["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+        assert r["threads"] == max(1, ddp_common.cpu_count() // 2)
 
 
 def _spawned_probe(rank, world_size, port, out_dir):
@@ -116,17 +117,54 @@ def test_missing_rank_times_out_with_one_line_instead_of_hanging():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
 def test_nccl_without_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
-        ddp_common.pick_device(0, "nccl")
-    assert e.value.code == 2 and "--backend gloo" in capsys.readouterr().err
+        ddp_common.pick_device(0, 1, "nccl")
+    assert e.value.code == 2 and "a GPU per process" in capsys.readouterr().err
 
 
-def test_more_processes_than_gpus_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert ddp_common.pick_device(1)[0] == torch.device("cuda", 1)  # local rank -> its GPU
+def fake_gpus(monkeypatch, count, visible=None):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+
+def test_each_local_rank_gets_its_own_gpu(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 2)
+    assert ddp_common.pick_device(1, 2) == (torch.device("cuda", 1), "nccl")
+    assert ddp_common.pick_device(0, 2, "gloo") == (torch.device("cuda", 0), "gloo")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_fewer_gpus_than_processes_runs_on_the_cpu_with_one_warning(
+    monkeypatch, capsys, local_rank
+):
+    """The README's first command on a laptop with one GPU: gloo on the CPU, said once (local
+    rank 0), instead of stopping. Asked for NCCL, it cannot: one error line."""
+    fake_gpus(monkeypatch, 1)
+    assert ddp_common.pick_device(local_rank, 2) == (torch.device("cpu"), "gloo")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == (1 if local_rank == 0 else 0)
+    assert all(line.startswith("warning: 2 processes") and "1 GPU" in line for line in err)
     with pytest.raises(SystemExit) as e:
-        ddp_common.pick_device(2)
-    assert e.value.code == 2 and "only 2" in capsys.readouterr().err
+        ddp_common.pick_device(local_rank, 2, "nccl")
+    assert e.value.code == 2 and "error: --backend nccl" in capsys.readouterr().err
+
+
+def test_one_gpu_bound_per_task_is_cuda_0(monkeypatch):
+    """srun --gpus-per-task / Kubernetes: each process sees only its own GPU, as cuda:0."""
+    fake_gpus(monkeypatch, 1, visible="3")
+    assert ddp_common.pick_device(1, 4) == (torch.device("cuda", 0), "nccl")
+    fake_gpus(monkeypatch, 1, visible="0,1")
+    assert ddp_common.pick_device(1, 2)[0] == torch.device("cpu")
+
+
+def test_cpu_count_without_sched_getaffinity(monkeypatch):
+    """macOS has no os.sched_getaffinity: the helper (and setup) must not need it."""
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert ddp_common.cpu_count() == os.cpu_count()
 
 
 # ---- the launcher environment: the GPU index, and torchrun's shared store ----
@@ -161,10 +199,10 @@ def _env(monkeypatch, **env):
 def test_local_rank_is_not_guessed_from_the_global_rank(monkeypatch, capsys, env, local_rank):
     _env(monkeypatch, **env)
     if local_rank is not None:
-        assert ddp_common._launch_env(None, None)[3] == local_rank
+        assert ddp_common.read_launcher_env() and os.environ["LOCAL_RANK"] == str(local_rank)
         return
     with pytest.raises(SystemExit) as e:
-        ddp_common._launch_env(None, None)
+        ddp_common.read_launcher_env()
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "LOCAL_RANK" in err[0], err
 
@@ -183,15 +221,15 @@ def test_torchrun_shared_store_gets_one_namespace_per_attempt(monkeypatch, capsy
         TORCHELASTIC_MAX_RESTARTS=1,
         TORCHELASTIC_RESTART_COUNT=1,
     )
-    ddp_common._torchrun_shared_store(2, timedelta(seconds=10)).set("key", "new")
+    ddp_common.torchrun_store(2, timedelta(seconds=10)).set("key", "new")
     assert server.check(["attempt1/key"]) and server.get("attempt1/key") == b"new"
     assert capsys.readouterr().err == ""  # one node: no warning
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    ddp_common._torchrun_shared_store(2, timedelta(seconds=10))
+    ddp_common.torchrun_store(2, timedelta(seconds=10))
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning[0]
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert ddp_common._torchrun_shared_store(2, timedelta(seconds=10)) is None
+    assert ddp_common.torchrun_store(2, timedelta(seconds=10)) is None
 
 
 # ---- checkpoints ----
@@ -205,6 +243,33 @@ def test_save_is_atomic_and_load_restores(tmp_path):
     other = torch.nn.Linear(3, 2)
     ckpt = ddp_common.load_checkpoint(path, "cpu", model=other)
     assert ckpt["step"] == 7 and torch.equal(other.weight, model.weight)
+
+
+def test_save_writes_a_fresh_temp_file_and_syncs_the_folder(tmp_path, monkeypatch):
+    """No predictable temp name (a link planted at path.tmp<pid> in a shared folder is left
+    alone), the file gets a plain file's mode (umask), and the folder is synced after the rename."""
+    path = tmp_path / "model.pt"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for name in (f"model.pt.tmp{os.getpid()}", "model.pt.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: synced.append(os.fstat(fd).st_mode) or real_fsync(fd)
+    )
+    old_umask = os.umask(0o022)
+    try:
+        ddp_common.save_checkpoint({"step": 1}, str(path))
+    finally:
+        os.umask(old_umask)
+    assert victim.read_text() == "keep me"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert [stat.S_ISDIR(mode) for mode in synced] == [False, True]  # the file, then its folder
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_symlink()) == [
+        "model.pt",
+        "victim.txt",
+    ]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "shape", "missing-key", "absent"])

@@ -159,9 +159,9 @@ def test_compare_runs_end_to_end(tmp_path):
     )
     assert_ok(result)
     rows = [
-        l
-        for l in result.stdout.splitlines()
-        if l.startswith(("GPT-2 tiny, 2 proc", "ResNet-18 CIFAR, 2 x 32"))
+        line
+        for line in result.stdout.splitlines()
+        if line.startswith(("GPT-2 tiny, 2 proc", "ResNet-18 CIFAR, 2 x 32"))
     ]
     assert len(rows) == 2 and all(float(r.split()[-4].rstrip("x")) > 0 for r in rows), result.stdout
     assert "DDP at world size 1" in result.stdout

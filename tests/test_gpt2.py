@@ -63,7 +63,7 @@ def write_story(path, n_lines=600, seed=0):
 
 
 def done_fields(result):
-    line = next(l for l in result.stdout.splitlines() if l.startswith("done:"))
+    line = next(line for line in result.stdout.splitlines() if line.startswith("done:"))
     return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: ") :]))
 
 

@@ -414,7 +414,7 @@ def test_torchrun_with_every_knob_saves_a_full_resumable_checkpoint(tmp_path):
         tmp_path,
     )
     assert_ok(r)
-    done = [l for l in r.stdout.splitlines() if l.startswith("done:")]
+    done = [line for line in r.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and "| world 2 |" in done[0] and " MiB/rank |" in done[0], r.stdout
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
     assert ckpt["step"] == 16 and len(ckpt["powersgd"]) == 2
@@ -428,7 +428,7 @@ def test_resume_stops_with_one_line_when_only_some_ranks_see_the_checkpoint(runs
     for rank in (0, 1):
         res = runs[1][rank]["resume"]
         assert res["fresh"] is None and res["code"] == 2, res
-        errs = [l for l in res["stderr"].splitlines() if l.startswith("error:")]
+        errs = [line for line in res["stderr"].splitlines() if line.startswith("error:")]
         assert errs == (
             [
                 "error: checkpoint %s is missing on 1 of 2 ranks: every rank must read it "
@@ -454,7 +454,7 @@ def test_bad_flags_exit_2_with_one_error_line(flags, capsys):
     with pytest.raises(SystemExit) as e:
         K.parse_args(flags)
     assert e.value.code == 2
-    assert len([l for l in capsys.readouterr().err.splitlines() if "error:" in l]) == 1
+    assert len([line for line in capsys.readouterr().err.splitlines() if "error:" in line]) == 1
 
 
 def test_bad_flag_from_the_command_line():

@@ -51,7 +51,7 @@ def test_main_spawns_and_prints_once(monkeypatch, capfd):
     assert lines[0].startswith("start: world 2") and lines[-1].startswith(
         "done: world 2 | backend gloo"
     )
-    assert len([l for l in lines if l.startswith("epoch ")]) == 2  # rank 0 prints, once
+    assert len([line for line in lines if line.startswith("epoch ")]) == 2  # rank 0 prints, once
 
 
 @pytest.mark.parametrize("flag", [["--nproc", "0"], ["--epochs", "x"]])

@@ -56,7 +56,7 @@ def make_mnist(root, n_train=256, n_test=17, seed=0):
 
 
 def done_fields(result):
-    line = next(l for l in result.stdout.splitlines() if l.startswith("done:"))
+    line = next(line for line in result.stdout.splitlines() if line.startswith("done:"))
     return dict(re.findall(r"(\w+) ([^|]+?)(?: \||$)", line[len("done: ") :]))
 
 
@@ -113,7 +113,9 @@ def test_two_nodes_auto_agree_on_synthetic_learn_and_checkpoint(tmp_path):
         tmp_path, "auto", [True, False], "--max-steps", 40, "--log-every", 10, "--batch-size", 16
     )
     assert_ok(result)
-    assert any(l.startswith("warning: ") and "rank 1: " in l for l in result.stdout.splitlines())
+    assert any(
+        line.startswith("warning: ") and "rank 1: " in line for line in result.stdout.splitlines()
+    )
     done = done_fields(result)
     assert done["data"] == "synthetic" and done["world"] == "2" and done["steps"] == "40"
     assert float(done["val_acc"].split("%")[0]) > 30.0  # chance is 10%

@@ -145,7 +145,7 @@ def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
     )
     for r in results:
         assert_ok(r)
-    done = [l for r in results for l in r.stdout.splitlines() if l.startswith("done:")]
+    done = [line for r in results for line in r.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1  # only global rank 0 prints
     rep = json.loads(report.read_text())
     check_two_node_report(rep)
@@ -194,8 +194,8 @@ def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
     (dirs[1] / "multinode.pt").unlink()
     results = launch(3, nproc=1)
     assert all(r.returncode != 0 for r in results)
-    errors = [l for r in results for l in error_lines(r)]
-    assert any("different epochs" in l for l in errors), errors
+    errors = [line for r in results for line in error_lines(r)]
+    assert any("different epochs" in line for line in errors), errors
     assert not (dirs[1] / "multinode.pt").exists()
     assert snapshot_sha(dirs[0] / "multinode.pt")[0] == 2  # untouched
 

@@ -140,7 +140,9 @@ for _b in BASH:
 
 def short_id(block):
     script = script_of(block)
-    first = next((l for l in script.splitlines() if l.strip() and not l.startswith("#")), "")
+    first = next(
+        (line for line in script.splitlines() if line.strip() and not line.startswith("#")), ""
+    )
     return f"{block.key} {first[:50]}"
 
 
@@ -296,22 +298,23 @@ def test_shown_output_matches_what_the_command_prints(command, output, ran):
         )
     actual = (result.stdout + "\n" + result.stderr).splitlines()
     actual_shapes = {s for s in map(shape, actual) if s}
-    shown = [(l, shape(l)) for l in output.body.splitlines()]
-    checked = [(l, s) for l, s in shown if s]
+    shown = [(line, shape(line)) for line in output.body.splitlines()]
+    checked = [(line, s) for line, s in shown if s]
     assert checked, (
         f"{output.key}: no line of this output block is compared (no `key value | "
         "...` line, keyword line or table header); if it was not printed by the "
         "command above it, fence it as ```text <where it was measured>"
     )
-    missing = [(l, s) for l, s in checked if s not in actual_shapes]
+    missing = [(line, s) for line, s in checked if s not in actual_shapes]
     if missing:
         report = []
-        for l, s in missing:
+        for line, s in missing:
             near = [a for a in actual if shape(a) and shape(a)[:2] == s[:2]]
             report.append(
-                f"  shown:  {l.strip()[:160]}\n    shape: {describe(s)}\n"
+                f"  shown:  {line.strip()[:160]}\n    shape: {describe(s)}\n"
                 + (
-                    f"    printed now: {near[0].strip()[:160]}\n    shape: {describe(shape(near[0]))}"
+                    f"    printed now: {near[0].strip()[:160]}\n"
+                    f"    shape: {describe(shape(near[0]))}"
                     if near
                     else "    printed now: no line with that keyword/kind"
                 )
@@ -373,9 +376,9 @@ def excerpt_lines(block):
     if block.lang != "diff":
         return block.body.splitlines()
     return [
-        l[1:]
-        for l in block.body.splitlines()
-        if l[:1] in ("+", " ") and not l.startswith(("+++", "@@"))
+        line[1:]
+        for line in block.body.splitlines()
+        if line[:1] in ("+", " ") and not line.startswith(("+++", "@@"))
     ]
 
 
@@ -396,7 +399,7 @@ def test_code_excerpts_stay_in_step_with_the_files(block):
     name = block.info[1]
     assert (ROOT / name).is_file(), f"{block.key}: excerpt of a file that does not exist: {name}"
     source = " ".join(
-        c for c in (code_part(l) for l in (ROOT / name).read_text().splitlines()) if c
+        c for c in (code_part(line) for line in (ROOT / name).read_text().splitlines()) if c
     )
     source = re.sub(r"\s+", " ", source)
     for line in excerpt_lines(block):

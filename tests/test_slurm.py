@@ -93,7 +93,7 @@ def _check_job(report, output, launcher):
         ("node2", 1),
     ]
     assert len(set(report["params_sha256"])) == 1, report["params_sha256"]
-    assert sum(l.startswith("done:") for l in output.splitlines()) == 1
+    assert sum(line.startswith("done:") for line in output.splitlines()) == 1
 
 
 @pytest.mark.slow
@@ -146,7 +146,7 @@ def test_crashing_rank_fails_the_job_fast(slurm, tmp_path, script):
     elapsed = time.monotonic() - t0
     assert r.returncode != 0, output
     assert "error: rank 3 crashed on purpose" in output
-    assert not any(l.startswith("done:") for l in output.splitlines())
+    assert not any(line.startswith("done:") for line in output.splitlines())
     assert elapsed < 240, f"the job took {elapsed:.0f} s to fail"
 
 
@@ -160,7 +160,9 @@ def test_bare_srun_is_one_error_line_pointing_at_the_mapping(slurm):
         timeout=120,
         env=cpu_env(**slurm),
     )
-    errors = [l for l in error_lines(r) if l.startswith("error:")]  # srun adds its own lines
+    errors = [
+        line for line in error_lines(r) if line.startswith("error:")
+    ]  # srun adds its own lines
     assert r.returncode == 2 and len(errors) == 2, (r.returncode, r.stderr[-2000:])
     assert all("RANK" in e and "slurm/" in e for e in errors) and "Traceback" not in r.stderr
 
@@ -171,9 +173,9 @@ def test_bare_srun_is_one_error_line_pointing_at_the_mapping(slurm):
 def test_first_node_of_the_node_list_comes_from_scontrol(slurm, script, line):
     """The scripts' own line that picks the rendezvous host, run on node lists Slurm writes."""
     [code] = [
-        l.strip()
-        for l in (ROOT / "slurm" / script).read_text().splitlines()
-        if l.strip().startswith(line)
+        line.strip()
+        for line in (ROOT / "slurm" / script).read_text().splitlines()
+        if line.strip().startswith(line)
     ]
     var = line.split()[-1].rstrip("=")
     for nodelist, first in [

@@ -38,7 +38,7 @@ def load(path):
 
 
 def done_lines(result):
-    return [l for l in result.stdout.splitlines() if l.startswith("done:")]
+    return [line for line in result.stdout.splitlines() if line.startswith("done:")]
 
 
 def assert_same_state(a, b):
@@ -249,7 +249,7 @@ def test_no_restarts_fails_clearly_then_a_relaunch_resumes(tmp_path, baseline):
     assert not done_lines(r)
     # Who says it first is a race: rank 0 (it noticed the lost peer) or torchrun (it stopped rank 0 first,
     # and names the failed rank and its signal). One of them must, in one place.
-    ours = any(l.startswith("error: rank 0 lost the other ranks") for l in error_lines(r))
+    ours = any(line.startswith("error: rank 0 lost the other ranks") for line in error_lines(r))
     assert ours or re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", r.stderr), r.stderr[
         -3000:
     ]
@@ -288,7 +288,8 @@ def test_bad_arguments_one_error_line(args, capsys, monkeypatch):
         multi_gpu_torchrun.parse_args(args)
     err = capsys.readouterr().err
     assert (
-        e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == 1
+        e.value.code == 2
+        and len([line for line in err.splitlines() if line.startswith("error: ")]) == 1
     ), err
 
 
@@ -308,7 +309,8 @@ def test_bad_fail_rank_under_torchrun_one_error_line(rank, lines, capsys, monkey
         multi_gpu_torchrun.parse_args(["--fail-at-step", "3", "--fail-rank", "2"])
     err = capsys.readouterr().err
     assert (
-        e.value.code == 2 and len([l for l in err.splitlines() if l.startswith("error: ")]) == lines
+        e.value.code == 2
+        and len([line for line in err.splitlines() if line.startswith("error: ")]) == lines
     )
 
 
@@ -318,4 +320,6 @@ def test_snapshot_from_another_model_is_one_error_line(tmp_path, baseline):
         SCRIPT, *RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path, timeout=TIMEOUT, nproc=1
     )
     assert r.returncode != 0
-    assert error_lines(r) and all("does not match" in l for l in error_lines(r)), r.stderr[-3000:]
+    assert error_lines(r) and all("does not match" in line for line in error_lines(r)), r.stderr[
+        -3000:
+    ]

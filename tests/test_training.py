@@ -582,9 +582,9 @@ def test_samples_per_second_leaves_out_evaluation_time(spawned):
     training throughput (at most a few hundred samples/s would be left otherwise: 16 / 1000 s)."""
     _, results = spawned
     lines = [
-        l
-        for l in results[0]["scenarios"]["bn"]["stdout"].splitlines()
-        if l.startswith("epoch 2/2 | step")
+        line
+        for line in results[0]["scenarios"]["bn"]["stdout"].splitlines()
+        if line.startswith("epoch 2/2 | step")
     ]
     rate = float(lines[0].split(" samples/s")[0].rsplit("| ", 1)[1])
     assert rate > 1, lines[0]
@@ -604,7 +604,7 @@ def test_real_cifar_files_uneven_sizes_profile_and_sync_check(spawned):
 # ---- failures: one error line, the right exit code, no traceback ------------------------------
 def _one_line(results, name, code=None, ranks=(0, 1)):
     outcomes = [results[r]["failures"][name] for r in ranks]
-    lines = {l for _, err in outcomes for l in err.splitlines() if l.startswith("error: ")}
+    lines = {line for _, err in outcomes for line in err.splitlines() if line.startswith("error: ")}
     assert len(lines) == 1 and all(c != 0 and (code is None or c == code) for c, _ in outcomes), (
         outcomes
     )
@@ -658,7 +658,9 @@ def test_bad_flags_exit_2_with_one_error_line(capsys):
         with pytest.raises(SystemExit) as e:
             ddp_training.parse_args(flags)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and len([l for l in err.splitlines() if "error:" in l]) == 1, (
+        assert (
+            e.value.code == 2 and len([line for line in err.splitlines() if "error:" in line]) == 1
+        ), (
             flags,
             err,
         )
@@ -729,7 +731,7 @@ def test_two_nodes_with_local_disks_agree_on_data_and_on_resume(tmp_path):
         "ddp_training.py", [n + ["--resume", "auto"] for n in nodes], timeout=240
     )
     assert all(r.returncode == 1 for r in second), [r.stderr[-1500:] for r in second]
-    lines = {l for r in second for l in error_lines(r)}
+    lines = {line for r in second for line in error_lines(r)}
     assert len(lines) == 1 and "different checkpoints" in lines.pop()
     assert not any('ddp_training.py", line' in r.stderr for r in second)
 
