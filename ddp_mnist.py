@@ -22,7 +22,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, print0, save_checkpoint, set_seed, setup
+from ddp_common import (
+    cleanup,
+    fail,
+    folder_lock,
+    long_barrier,
+    print0,
+    save_checkpoint,
+    set_seed,
+    setup,
+)
 
 MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics
 
@@ -73,11 +82,14 @@ def parse_args(argv=None):
         "--log-every", type=int, default=100, help="steps between log lines (default 100)"
     )
     args = p.parse_args(argv)
+    # Every rank parses the flags: rank 0 alone says what is wrong.
     for name in ("epochs", "batch_size", "log_every"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_steps < 0 or args.lr <= 0:
-        p.error("--max-steps must be >= 0 and --lr > 0")
+            fail(f"--{name.replace('_', '-')} must be at least 1", rank0_only=True)
+    if args.max_steps < 0:
+        fail("--max-steps must be >= 0", rank0_only=True)
+    if args.lr <= 0:
+        fail("--lr must be > 0", rank0_only=True)
     return args
 
 
@@ -141,9 +153,14 @@ def get_data(args, ddp):
     other ranks wait, then load from disk; the ranks share what they found and decide together."""
     if args.data == "synthetic":
         return "synthetic", *synthetic_mnist(args.seed)
-    if ddp.local_rank == 0:  # DDP: one download per node, not per job: disks may be local
-        data, problem = try_mnist(args.data_dir, download=True)
-    dist.barrier()  # DDP: the node's other ranks wait until its files are there
+    if ddp.local_rank == 0:
+        # DDP: one download per node, not per job: disks may be node-local. Nodes that share one
+        # disk take turns (a lock file), so no two write the same files.
+        print(f"data: node {ddp.node_rank} fetches MNIST into {args.data_dir}", flush=True)
+        with folder_lock(args.data_dir):
+            data, problem = try_mnist(args.data_dir, download=True)
+    # DDP: the node's other ranks wait until its files are there, longer than a collective may.
+    long_barrier()
     if ddp.local_rank != 0:
         data, problem = try_mnist(args.data_dir, download=False)
     problems = [None] * ddp.world_size
@@ -214,9 +231,10 @@ def train(args, ddp):
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     print0(
-        f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | world {ddp.world_size} "
-        f"| backend {ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
-        f"{args.batch_size * ddp.world_size} global | steps {total_steps}"
+        f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | "
+        f"world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
+        f"batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} global | "
+        f"steps {total_steps}"
     )
 
     step, t_start = 0, time.perf_counter()
@@ -266,7 +284,8 @@ def train(args, ddp):
     print0(
         f"done: data {dataset} | world {ddp.world_size} | backend {ddp.backend} | "
         f"device {ddp.device.type} | steps {step} | val_loss {val_loss:.4f} | "
-        f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | time {time.perf_counter() - t_start:.1f}s"
+        f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | "
+        f"time {time.perf_counter() - t_start:.1f}s"
     )
     return model
 
