@@ -33,7 +33,8 @@ from ddp_common import (
     setup,
 )
 
-MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics
+# MNIST pixel statistics.
+MEAN, STD = 0.1307, 0.3081
 
 
 def parse_args(argv=None):
@@ -143,7 +144,8 @@ def try_mnist(data_dir, download):
     """(train, test) and no problem, or (None, one-line reason)."""
     try:
         return load_mnist(data_dir, download), ""
-    except Exception as e:  # offline, proxy, disk full, missing or torn files ...
+    except Exception as e:
+        # Offline, a proxy, a full disk, missing or torn files ...
         return None, f"{data_dir}: {' '.join(str(e).split())[:150] or type(e).__name__}"
 
 
@@ -164,7 +166,8 @@ def get_data(args, ddp):
     if ddp.local_rank != 0:
         data, problem = try_mnist(args.data_dir, download=False)
     problems = [None] * ddp.world_size
-    dist.all_gather_object(problems, problem)  # DDP: every rank learns what every other found
+    # DDP: every rank learns what every other found.
+    dist.all_gather_object(problems, problem)
     missing = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
     if not missing:
         return "mnist", *data
@@ -195,10 +198,12 @@ def evaluate(model, test_set, ddp, batch_size):
     for x, y in DataLoader(shard, batch_size=4 * batch_size):
         x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
         logits = model(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum")  # sums stay on the device
+        # Sums stay on the device.
+        loss_sum += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
     totals = torch.stack([loss_sum, correct, torch.tensor(float(len(shard)), device=ddp.device)])
-    dist.all_reduce(totals)  # DDP: sum the shards' counts
+    # DDP: sum the shards' counts.
+    dist.all_reduce(totals)
     model.train()
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(correct), int(count)
@@ -209,13 +214,15 @@ def make_train_loader(train_set, ddp, batch_size, seed):
     sampler = DistributedSampler(
         train_set, num_replicas=ddp.world_size, rank=ddp.rank, shuffle=True, seed=seed
     )
+    # Pinned memory: the host->GPU copies can run asynchronously.
     return DataLoader(
         train_set, batch_size=batch_size, sampler=sampler, pin_memory=ddp.device.type == "cuda"
-    )  # pinned memory: async host->GPU copies
+    )
 
 
 def train(args, ddp):
-    set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP also broadcasts them)
+    # Same seed everywhere -> same initial weights (DDP also broadcasts them)
+    set_seed(args.seed)
     dataset, train_set, test_set = get_data(args, ddp)
     loader = make_train_loader(train_set, ddp, args.batch_size, args.seed)
     sampler = loader.sampler
@@ -240,18 +247,22 @@ def train(args, ddp):
     step, t_start = 0, time.perf_counter()
     t_log, loss_sum = t_start, torch.zeros((), device=ddp.device)
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # DDP: without this every epoch repeats epoch 0's order
+        # DDP: without this every epoch repeats epoch 0's order.
+        sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP: the all-reduce of gradients overlaps with this backward
+            # DDP: the all-reduce of gradients overlaps with this backward.
+            loss.backward()
             optimizer.step()
-            loss_sum += loss.detach()  # stays on the device: no sync with the host per step
+            # Stays on the device: no sync with the host per step.
+            loss_sum += loss.detach()
             step += 1
             if step % args.log_every == 0 or step == total_steps:
                 n = (step - 1) % args.log_every + 1
-                now = time.perf_counter()  # .item() below waits for the GPU: once per log line
+                # .item() below waits for the GPU: once per log line.
+                now = time.perf_counter()
                 rate = n * args.batch_size * ddp.world_size / (now - t_log)
                 eta = (total_steps - step) * (now - t_start) / step
                 print0(
@@ -292,7 +303,8 @@ def train(args, ddp):
 
 def main():
     args = parse_args()
-    ddp = setup(args.backend)  # DDP: join the process group; pick this rank's device
+    # DDP: join the process group; pick this rank's device.
+    ddp = setup(args.backend)
     train(args, ddp)
     cleanup()
 
