@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -301,6 +302,9 @@ def train(args, ddp):
     return model
 
 
+# @record: if this process dies of an exception, torchrun's failure summary shows its traceback
+# (otherwise it says `error_file: <N/A>`).
+@record
 def main():
     args = parse_args()
     # DDP: join the process group; pick this rank's device.
