@@ -2,13 +2,14 @@
 line, fix it.
 
     torchrun --standalone --nproc_per_node=2 ddp_debug.py                      # runs clean
-    torchrun --standalone --nproc_per_node=2 ddp_debug.py --fault mismatch     # breaks
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... --fault mismatch               # diagnoses
-    torchrun --standalone --nproc_per_node=2 ddp_debug.py --fault mismatch --fix every-rank
+    torchrun --standalone --nproc_per_node=2 ddp_debug.py --fault uneven       # hangs, times out
+    torchrun --standalone --nproc_per_node=2 ddp_debug.py --fault uneven --fix join
 
 Each fault is a few lines of an otherwise ordinary training loop, marked `# FAULT`; the lines
 that fix it are marked `# FIX`. The collective timeout is short (--timeout 10 s), so a job that
-hangs ends within seconds instead of torch's default 10 minutes.
+hangs ends within seconds instead of after torch's default 10 minutes. The tools that point at
+the culprit (py-spy, monitored_barrier, TORCH_DISTRIBUTED_DEBUG, @record and torchrun's logs) are
+shown in the README, lesson 8, and in docs/debug.md.
 """
 
 import argparse
@@ -181,7 +182,8 @@ def log(loss, step, args, ddp):
         return
     if args.fault == "mismatch" and args.fix == "none":
         # FAULT: "only rank 0 prints, so only rank 0 needs the mean": the all-reduce moves
-        # under the `if`, and rank 0 waits in a collective no other rank calls.
+        # under the `if`. Rank 0's all-reduce then meets the others' next gradient all-reduce:
+        # gloo sees the sizes differ and aborts; NCCL may hang, or mix the two.
         if ddp.is_main:
             dist.all_reduce(mean)
             print0(f"step {step + 1}/{args.max_steps} | loss {mean.item() / ddp.world_size:.4f}")
