@@ -161,6 +161,9 @@ def test_mismatch_is_caught_and_the_stack_names_the_rank_0_only_all_reduce(tmp_p
     out = job.output()
     assert code != 0 and seconds < 150
     assert "Is there a distributed collective mismatch in your code?" in out, out[-3000:]
+    # The rank: gloo aborts rank 0 (it received more than it expected), torchrun's root cause.
+    summary = out[out.index("Root Cause (first observed failure)") :]
+    assert re.search(r"rank\s+: 0 \(local_rank: 0\)", summary), summary
     culprit = line_of("            dist.all_reduce(mean)")
     assert re.search(rf"ddp_debug.py\"?, line {culprit},? in log", out), out[-4000:]
 
