@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every lesson for a few steps on CUDA with its GPU paths on: fused optimizers, bf16, fp16 with a
-# GradScaler, ZeRO save + resume with fused AdamW, torch.compile, SyncBatchNorm, comm hooks.
+# GradScaler, ZeRO save + resume with fused AdamW, torch.compile, SyncBatchNorm, comm hooks;
+# lesson 8's NCCL diagnoses (DETAIL's mismatch report, a Flight Recorder dump read by fr_trace).
 # The CPU test suite cannot reach these paths; run this on any GPU machine you get:
 #     bash tests/gpu_check.sh            # uses every visible GPU (2+ also tests NCCL across GPUs)
 # Prints one PASS/FAIL line per check and exits non-zero if any failed; exits 0 with a `skip:`
@@ -74,5 +75,33 @@ check l7_zero_fused_resume "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sy
     --powersgd-warmup 10 --epochs 1 --checkpoint-dir "$C/l7" --resume auto
 check l7_bf16_hook "${TR[@]}" ddp_knobs.py --comm-hook bf16 --epochs 1
 check gpu_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_knobs.py -k gpu
+# Lesson 8 on NCCL: a job that must fail, and the tool that must name the culprit. expect NAME
+# PATTERN CMD...: run CMD (it fails: the fault), PASS when its log matches PATTERN.
+expect() {
+    local name=$1 pattern=$2; shift 2
+    timeout 300 "$@" >"$LOGS/$name.log" 2>&1
+    if grep -qE "$pattern" "$LOGS/$name.log"; then
+        echo "PASS $name | $(grep -hE -m1 "$pattern" "$LOGS/$name.log" | cut -c1-160)"
+    else
+        echo "FAIL $name (no '$pattern') | $(tail -n 3 "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-300)"
+        fails=$((fails + 1))
+    fi
+}
+if [ "$N" -ge 2 ] && [ -z "${GPU_CHECK_FORCE:-}" ]; then
+    # DETAIL's collective check (on gloo, torch 2.15 crashes DDP's constructor under DETAIL).
+    expect l8_detail_mismatch "Detected mismatch between collectives on ranks" \
+        env TORCH_DISTRIBUTED_DEBUG=DETAIL "${TR[@]}" ddp_debug.py --fault mismatch --timeout 20
+    # Flight Recorder: the straggler (the last rank) leaves rank 0 in an all-reduce; NCCL's
+    # watchdog times out after 20 s and dumps every rank's buffer; fr_trace names the missing rank.
+    FR="$LOGS/fr" && rm -rf "$FR" && mkdir -p "$FR"
+    timeout 300 env TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_ON_TIMEOUT=1 \
+        TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$FR/rank_" \
+        TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$FR/rank_" "${TR[@]}" ddp_debug.py --fault straggler \
+        --timeout 20 >"$LOGS/l8_fr_job.log" 2>&1
+    expect l8_flight_recorder "missing ranks: \{$((N - 1))\}" \
+        "$PY" -m torch.distributed.flight_recorder.fr_trace "$FR"
+else
+    echo "skip l8_detail_mismatch, l8_flight_recorder: need 2+ GPUs (NCCL; gloo does not dump)"
+fi
 echo "gpu_check: $fails failed"
 [ "$fails" -eq 0 ]
