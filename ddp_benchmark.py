@@ -350,7 +350,10 @@ def main(argv=None):
         slots = torch.cuda.device_count()
     if device.type == "cuda" and args.max_procs > slots:
         fail(f"--max-procs {args.max_procs} but {slots} GPU(s) are visible: one process per GPU")
-    sizes = world_sizes(args.max_procs or slots)
+    largest = args.max_procs
+    if largest == 0:
+        largest = slots
+    sizes = world_sizes(largest)
     if args.strong and any(args.batch_size % n for n in sizes):
         fail(
             f"--strong splits the global batch {args.batch_size} over world sizes {sizes}: "
@@ -367,8 +370,10 @@ def main(argv=None):
     )
     points = {}
     for n in sizes:
-        # CPU: each rank gets cores / world size threads unless --threads says otherwise.
-        threads = args.threads or max(1, cores // n)
+        threads = args.threads
+        if threads == 0:
+            # CPU: by default each rank gets cores / world size threads.
+            threads = max(1, cores // n)
         points[n] = run_point(args, n, threads)
     scaling, breakdown, allreduce = build_records(args, machine, points)
     print_report(machine, scaling, breakdown, allreduce)
