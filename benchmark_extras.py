@@ -188,6 +188,12 @@ def print_report(machine, scaling, breakdown, allreduce):
     if allreduce:
         print("\nall-reduce | float32 sum | busbw = algbw x 2(n-1)/n")
         print_records(allreduce, "world_size bytes time_us algbw_gbps busbw_gbps")
+    superlinear = [r["world_size"] for r in scaling if r["efficiency"] > 1.05]
+    if superlinear:
+        print(
+            f"warning: efficiency above 100% at world size {superlinear}: the world sizes run "
+            "one after another, and the machine was busier while world size 1 ran; re-run"
+        )
     if max(r["step_ms_p90"] / r["step_ms_p50"] for r in breakdown) > 1.25:
         print(
             "warning: noisy step times (p90 > 1.25 x p50): a busy machine or a short run; "

@@ -42,6 +42,21 @@ def test_formulas_against_hand_values():
     assert extras.format_value("bytes", 65536.0) == "65536"
 
 
+def test_the_report_says_when_a_run_cannot_be_trusted(capsys):
+    """Superlinear scaling (the machine got quieter after world size 1) and noisy steps each get
+    one `warning:` line; a clean run gets none."""
+    scaling = [{"world_size": 1, "efficiency": 1.0}, {"world_size": 2, "efficiency": 2.9}]
+    noisy = [{"step_ms_p50": 10.0, "step_ms_p90": 20.0}]
+    machine = {"name": "test", "torch": "x", "backend": "gloo"}
+    extras.print_report(machine, scaling, noisy, [])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning:" in line]
+    assert len(warnings) == 2 and "[2]" in warnings[0], warnings
+    scaling[1]["efficiency"] = 0.8
+    noisy[0]["step_ms_p90"] = 11.0
+    extras.print_report(machine, scaling, noisy, [])
+    assert "warning:" not in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the per-rank code, in-process
 
 
