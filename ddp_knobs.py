@@ -89,6 +89,7 @@ def register_comm_hook(ddp_model, args):
         matrix_approximation_rank=args.powersgd_rank,
         start_powerSGD_iter=args.powersgd_warmup,
     )
+    # torch's powerSGD_hook, finishing each bucket before the next on gloo (knobs_extras.py).
     ddp_model.register_comm_hook(state, powersgd_hook)
     return state
 
