@@ -1,7 +1,7 @@
-"""Lesson 7 (ddp_knobs.py): ZeRO-1, SyncBatchNorm, communication hooks, and what they keep in a
-checkpoint. Real ranks on gloo/CPU: one mp.spawn of 2 processes runs every training scenario
-through the lesson's own train() (a fresh process group per scenario) and counts the bytes each
-hook hands to all-reduce; a torchrun launch checks the command line end to end."""
+"""Lesson 7 (ddp_knobs.py, knobs_extras.py): ZeRO-1, SyncBatchNorm, communication hooks, and what
+they keep in a checkpoint. Real ranks on gloo/CPU: one mp.spawn of 2 processes runs every training
+scenario through the lesson's own train() (a fresh process group per scenario) and counts the
+bytes each hook hands to all-reduce; a torchrun launch checks the command line end to end."""
 
 import gc
 import math
@@ -24,7 +24,9 @@ from conftest import (
     spawn,
 )
 
+import ddp_benchmark
 import ddp_knobs as K
+import knobs_extras
 
 BASE = ["--seed", "3", "--log-every", "5", "--samples", "256"]  # 128 samples per rank
 ADAMW = ["--optimizer", "adamw", "--lr", "0.003", "--batch-size", "8", "--max-steps", "10"]
@@ -139,7 +141,11 @@ def _count_hook_bytes(ddp, steps=5):
                 opt.step()
             counts.append((c.bytes, c.calls))
         n = sum(p.numel() for p in ddp_model.parameters())
-        out[hook] = {"steps": counts, "params": n, "lesson": K.comm_bytes_per_step(args, n, state)}
+        out[hook] = {
+            "steps": counts,
+            "params": n,
+            "lesson": knobs_extras.comm_bytes_per_step(hook, n, state),
+        }
         del ddp_model, opt, state
         gc.collect()  # a DDP wrapper alive at destroy_process_group can abort the process
     return out
@@ -283,7 +289,8 @@ def test_resume_puts_fused_optimizer_state_back_on_the_parameter_device():
     opt.param_groups[0]["fused"] = True
     opt.state[fused] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, device="meta")}
     opt.state[plain] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3)}
-    K.place_state_on_param_device(type("Zero", (), {"optim": opt})())  # ZeRO's local optimizer
+    # ZeRO's local optimizer is its .optim
+    knobs_extras.place_state_on_param_device(type("Zero", (), {"optim": opt})())
     assert opt.state[fused]["step"].device.type == "meta"
     assert opt.state[plain]["step"].device.type == "cpu"
 
@@ -292,8 +299,9 @@ def test_resume_puts_fused_optimizer_state_back_on_the_parameter_device():
 # --comm-hook powersgd: its state is in the checkpoint
 # ---------------------------------------------------------------------------------------------
 def test_powersgd_resume_continues_bitwise(runs):
-    """PowerSGD keeps per-rank error feedback and warm-start factors per bucket: 15 steps straight
-    == 8 + --resume auto + 7, bitwise, with several buckets (the resumed run rebuilds them first)."""
+    """PowerSGD keeps per-rank error feedback and warm-start factors per bucket: 15 steps
+    straight == 8 + --resume auto + 7, bitwise, with several buckets (the resumed run rebuilds
+    them first)."""
     out, res = runs
     straight, resumed = _ckpt(out, "pstraight"), _ckpt(out, "prest")
     assert straight["step"] == resumed["step"] == 15
@@ -448,6 +456,8 @@ def test_resume_stops_with_one_line_when_only_some_ranks_see_the_checkpoint(runs
         ["--bucket-cap-mb", "0"],
         ["--optimizer", "lamb"],
         ["--batch-size", "0"],
+        ["--lr", "0"],
+        ["--max-steps", "-1"],
     ],
 )
 def test_bad_flags_exit_2_with_one_error_line(flags, capsys):
@@ -455,6 +465,16 @@ def test_bad_flags_exit_2_with_one_error_line(flags, capsys):
         K.parse_args(flags)
     assert e.value.code == 2
     assert len([line for line in capsys.readouterr().err.splitlines() if "error:" in line]) == 1
+
+
+def test_one_powersgd_hook_rule_in_both_lessons():
+    """Lessons import only ddp_common and their own companion, so lessons 6 and 7 each hold a copy
+    of the gloo-safe PowerSGD hook (until ddp_common has it): the two must stay the same code."""
+    import inspect
+
+    assert inspect.getsource(ddp_benchmark.powersgd_hook) == inspect.getsource(
+        knobs_extras.powersgd_hook
+    )
 
 
 def test_bad_flag_from_the_command_line():
