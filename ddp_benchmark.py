@@ -42,7 +42,16 @@ from benchmark_extras import (
     print_report,
     write_plot,
 )
-from ddp_common import cleanup, cpu_count, fail, free_port, pick_amp, pick_device, setup
+from ddp_common import (
+    cleanup,
+    cpu_count,
+    fail,
+    free_port,
+    pick_amp,
+    pick_device,
+    powersgd_hook,
+    setup,
+)
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 # Samples per rank when --batch-size is not given.
@@ -120,17 +129,6 @@ def world_sizes(max_procs):
     if sizes[-1] != max_procs:
         sizes.append(max_procs)
     return sizes
-
-
-def powersgd_hook(state, bucket):
-    """PowerSGD for any backend. Why: the hook chains three all-reduces per bucket through future
-    callbacks, which gloo runs on its own threads, so with 2+ buckets two ranks can issue them in
-    different orders (gloo aborts with EnforceNotMet, or hangs). On gloo each bucket finishes
-    before DDP hands over the next: correct, with less overlap. NCCL keeps the order."""
-    future = powerSGD_hook.powerSGD_hook(state, bucket)
-    if dist.get_backend(state.process_group) == "gloo":
-        future.wait()
-    return future
 
 
 def wrap(base, args, device, cap, hook="none", counting=False):

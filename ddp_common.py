@@ -233,6 +233,19 @@ def long_barrier(seconds=3600):
     dist.destroy_process_group(group)
 
 
+def powersgd_hook(state, bucket):
+    """PowerSGD for any backend: ddp_model.register_comm_hook(state, powersgd_hook). Why: the hook
+    chains three all-reduces per bucket through future callbacks, which gloo runs on its own
+    threads, so with 2+ buckets two ranks can issue them in different orders (gloo aborts or
+    hangs). On gloo each bucket finishes before DDP hands over the next: correct, less overlap."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    if dist.get_backend(state.process_group) == "gloo":
+        future.wait()
+    return future
+
+
 def free_port(host="127.0.0.1"):
     """A port free now: the parent of mp.spawn picks MASTER_PORT for its workers."""
     with socket.socket() as s:

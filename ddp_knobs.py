@@ -33,14 +33,22 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, set_seed, setup
+from ddp_common import (
+    cleanup,
+    fail,
+    load_checkpoint,
+    powersgd_hook,
+    print0,
+    save_checkpoint,
+    set_seed,
+    setup,
+)
 from knobs_extras import (
     comm_bytes_per_step,
     convert_to_gloo_sync_batchnorm,
     load_powersgd_state,
     optimizer_state_bytes,
     place_state_on_param_device,
-    powersgd_hook,
     powersgd_state_dict,
     rebuild_buckets_now,
 )
@@ -89,7 +97,7 @@ def register_comm_hook(ddp_model, args):
         matrix_approximation_rank=args.powersgd_rank,
         start_powerSGD_iter=args.powersgd_warmup,
     )
-    # torch's powerSGD_hook, finishing each bucket before the next on gloo (knobs_extras.py).
+    # torch's powerSGD_hook, finishing each bucket before the next on gloo (ddp_common.py).
     ddp_model.register_comm_hook(state, powersgd_hook)
     return state
 

@@ -1,8 +1,8 @@
 """Lesson 7's companion: what ddp_knobs.py needs around its three knobs but does not teach.
 
 - SyncBatchNorm on CPU ranks (nn.SyncBatchNorm runs on GPUs only): GlooSyncBatchNorm.
-- PowerSGD on gloo (powersgd_hook), and its state in a checkpoint: powersgd_state_dict,
-  load_powersgd_state, rebuild_buckets_now.
+- PowerSGD's state in a checkpoint: powersgd_state_dict, load_powersgd_state,
+  rebuild_buckets_now.
 - A workaround for fused AdamW under ZeRO after a resume: place_state_on_param_device.
 - The figures the `done:` line reports: optimizer_state_bytes, comm_bytes_per_step.
 """
@@ -11,7 +11,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 # ---------------------------------------------------------------------------------------------
 # SyncBatchNorm on CPU ranks
@@ -82,17 +81,6 @@ def convert_to_gloo_sync_batchnorm(model):
 # ---------------------------------------------------------------------------------------------
 # PowerSGD: on gloo, and its state in a checkpoint
 # ---------------------------------------------------------------------------------------------
-
-
-def powersgd_hook(state, bucket):
-    """PowerSGD for any backend. Why: the hook chains three all-reduces per bucket through future
-    callbacks, which gloo runs on its own threads, so with 2+ buckets two ranks can issue them in
-    different orders (gloo aborts with EnforceNotMet, or hangs). On gloo each bucket finishes
-    before DDP hands over the next: correct, with less overlap. NCCL keeps the order."""
-    future = powerSGD_hook.powerSGD_hook(state, bucket)
-    if dist.get_backend(state.process_group) == "gloo":
-        future.wait()
-    return future
 
 
 def powersgd_state_dict(state):

@@ -25,6 +25,7 @@ from conftest import (
 )
 
 import ddp_benchmark
+import ddp_common
 import ddp_knobs as K
 import knobs_extras
 
@@ -468,13 +469,8 @@ def test_bad_flags_exit_2_with_one_error_line(flags, capsys):
 
 
 def test_one_powersgd_hook_rule_in_both_lessons():
-    """Lessons import only ddp_common and their own companion, so lessons 6 and 7 each hold a copy
-    of the gloo-safe PowerSGD hook (until ddp_common has it): the two must stay the same code."""
-    import inspect
-
-    assert inspect.getsource(ddp_benchmark.powersgd_hook) == inspect.getsource(
-        knobs_extras.powersgd_hook
-    )
+    """The gloo-safe PowerSGD hook is written once, in the helper, and both lessons use it."""
+    assert ddp_benchmark.powersgd_hook is K.powersgd_hook is ddp_common.powersgd_hook
 
 
 def test_bad_flag_from_the_command_line():
