@@ -1,13 +1,14 @@
-"""Lesson 2: the production template. What a real DDP training job needs, in one file.
+"""Lesson 2: the production template. What a real DDP training job needs.
 
     torchrun --standalone --nproc_per_node=4 ddp_training.py   # CIFAR-10, ResNet-18
     torchrun --standalone --nproc_per_node=2 ddp_training.py --model cnn   # on a CPU
 
 A fixed global batch (the accumulation steps absorb the world size, so a run resumes on any
-number of ranks), the LR scaled by that batch, warm-up + cosine, no_sync accumulation, clipping,
-bf16 / fp16 + GradScaler, compile, exact resume, best-k checkpoints, early stopping, exact
-evaluation, a weight-sync check and a profiler trace. DDP lines are marked `# DDP:`. The data,
-the models and augmentation are in training_data.py: to adapt the template, replace that file.
+number of ranks), the LR scaled by that batch, no_sync accumulation, clipping, bf16 / fp16 +
+GradScaler, compile, exact resume, exact evaluation, best-k checkpoints, early stopping. DDP lines
+are marked `# DDP:`. Beside it: training_data.py (the data, the models, augmentation: replace it
+to adapt the template) and training_run.py (flags, schedule, best-k files, checkpoint checks,
+the weight-sync check, the profiler).
 """
 
 import contextlib
