@@ -45,6 +45,7 @@ from training_run import (
     parse_args,
     record_epoch,
     remove_best,
+    resume_path,
     start_profiler,
     warmup_cosine,
 )
@@ -197,11 +198,7 @@ class Trainer:
         """--resume PATH|auto, before the DDP wrap. All ranks must agree: with node-local disks
         some may lack last.pt, and a rank starting fresh beside resumed ones hangs later."""
         args = self.args
-        path = args.resume
-        if args.resume == "auto":
-            path = os.path.join(args.checkpoint_dir, "last.pt")
-            if not os.path.isfile(path):
-                path = None
+        path = resume_path(args.resume, args.checkpoint_dir)
         ckpt = None
         found = None
         if path:
@@ -235,9 +232,11 @@ class Trainer:
         # Each rank its own generators; on another world size there is no rank-for-rank match
         # (nothing here draws random numbers while training: augmentation is a hash).
         if ckpt["world_size"] == self.ddp.world_size:
-            torch.set_rng_state(ckpt["rng"][self.ddp.rank][0])
-            if self.ddp.device.type == "cuda":
-                torch.cuda.set_rng_state(ckpt["rng"][self.ddp.rank][1])
+            states = ckpt["rng"][self.ddp.rank]
+            torch.set_rng_state(states[0])
+            # (A checkpoint saved on CPUs holds no CUDA generator.)
+            if self.ddp.device.type == "cuda" and len(states) > 1:
+                torch.cuda.set_rng_state(states[1])
         epoch = min(self.progress["epoch"] + 1, args.epochs)
         print0(
             f"resume: {path} at epoch {epoch}, step {self.progress['step']}, saved by "

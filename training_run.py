@@ -167,6 +167,16 @@ def fresh_progress():
     }
 
 
+def resume_path(resume, checkpoint_dir):
+    """--resume PATH, or with `auto` DIR/last.pt if it exists; None: start from scratch."""
+    if resume != "auto":
+        return resume
+    path = os.path.join(checkpoint_dir, "last.pt")
+    if os.path.isfile(path):
+        return path
+    return None
+
+
 def best_name(epoch):
     """The file of a best-k checkpoint: derived from its epoch, never read from a checkpoint."""
     return f"best-epoch{epoch:03d}.pt"
