@@ -368,7 +368,7 @@ def ddp1(args):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_training import build_model
+    from training_data import build_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dist.init_process_group(

@@ -2,10 +2,11 @@
 
     python bench/lightning_cifar.py --devices 2 --max-steps 40     # CPU: 2 processes, DDP on gloo
 
-The same ResNet-18 (CIFAR stem, imported from the lesson so the model is identical), the same synthetic
-CIFAR-shaped data, random crop + flip as torchvision transforms in the Dataset, SGD with momentum and
-weight decay, linear warm-up then cosine, lr x world size. Lightning adds the DistributedSampler, the
-DDP wrap and the process launch. Prints one `done:` line with its steady-state samples/s: the steps
+The same ResNet-18 (CIFAR stem, imported from the lesson's training_data.py so the model is
+identical), the same synthetic CIFAR-shaped data, random crop + flip as torchvision transforms in
+the Dataset, SGD with momentum and weight decay, linear warm-up then cosine, the lesson's LR rule
+(0.1 for a global batch of 256, scaled linearly). Lightning adds the DistributedSampler, the DDP
+wrap and the process launch. Prints one `done:` line with its steady-state samples/s: the steps
 after --warmup-steps, timed at the end of each training batch on rank 0.
 """
 
@@ -22,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ddp_training import MEAN, STD, build_model, synthetic_cifar  # noqa: E402  the lesson's model and data
+# The lesson's model and data (its companion module).
+from training_data import MEAN, STD, build_model, synthetic_cifar  # noqa: E402
 
 
 class Images(Dataset):
@@ -61,15 +63,14 @@ class Classifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(
-            self.parameters(), lr=self.lr * self.trainer.world_size, momentum=0.9, weight_decay=5e-4
-        )
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
         warm, total = self.warmup, self.total
-        lam = lambda s: (
-            (s + 1) / warm
-            if s < warm
-            else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
-        )
+
+        def lam(s):
+            if s < warm:
+                return (s + 1) / warm
+            return 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+
         return [opt], [
             {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lam), "interval": "step"}
         ]
@@ -111,7 +112,9 @@ def main():
         pin_memory=cuda,
     )  # as the lesson: workers on GPUs only
     steps_per_epoch = n_train // args.devices // args.batch_size
-    model = Classifier(0.1, steps_per_epoch, args.epochs * steps_per_epoch)
+    # The lesson's rule: --lr 0.1 for a global batch of 256, scaled linearly (SGD).
+    lr = 0.1 * args.batch_size * args.devices / 256
+    model = Classifier(lr, steps_per_epoch, args.epochs * steps_per_epoch)
     clock = StepClock()
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -130,8 +133,8 @@ def main():
         t, w = clock.times, args.warmup_steps
         rate = (len(t) - w) * args.batch_size * trainer.world_size / (t[-1] - t[w - 1])
         print(
-            f"done: lightning {L.__version__} | world {trainer.world_size} | threads {torch.get_num_threads()} | "
-            f"steps {len(t)} | {rate:.1f} samples/s",
+            f"done: lightning {L.__version__} | world {trainer.world_size}"
+            f" | threads {torch.get_num_threads()} | steps {len(t)} | {rate:.1f} samples/s",
             flush=True,
         )
 

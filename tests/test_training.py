@@ -1,9 +1,11 @@
-"""Tests for lesson 2, ddp_training.py: real processes on gloo/CPU.
+"""Tests for lesson 2, ddp_training.py (with training_data.py and training_run.py): real
+processes on gloo/CPU.
 
-One mp.spawn of 2 processes runs every training scenario through ddp_training.main() (the machine
-imports torch twice, not twenty times), then the failure paths (each one error line and an exit
-code, caught in the process), then the no_sync / --verify-sync / host-sync checks. Two torchrun
-"nodes" with node-local disks and a kill during a save run as real launches.
+One mp.spawn of 4 processes runs every training scenario through ddp_training.main() (the machine
+imports torch four times, not twenty): first the runs on 4, 2 and 1 ranks with one global batch,
+after which ranks 2 and 3 leave; then on 2 ranks the other scenarios, the failure paths (each one
+error line and an exit code, caught in the process), then the no_sync / --verify-sync / host-sync
+checks. Two torchrun "nodes" with node-local disks and a kill during a save run as real launches.
 """
 
 import contextlib
@@ -39,6 +41,8 @@ from conftest import (
 )
 
 import ddp_common
+import training_data as D
+import training_run as R
 
 # 100 synthetic samples: 90 train (45 per rank), 10 validation (a fixed 10%), 20 test.
 TINY = [
@@ -55,20 +59,29 @@ TINY = [
     "--seed",
     "3",
 ]
-# Equivalence: 2 ranks x B == 1 process x 2B, and 2 ranks x 2 micro x B == 1 x 4B. The LR is
-# scaled by the world size, so the 2-rank runs pass half of it: both then step with the same LR.
-EQ = ["--epochs", "2", "--weight-decay", "1e-4"]
+# One global batch of 16 on any world size: 4 ranks x 4, 2 ranks x 4 x 2 accumulation, 1 x 4 x 4.
+# 90 training samples: 5 steps of 16 per epoch (80 samples). The BN-free cnn: a step is then the
+# same maths on every split of the batch. A 2-rank run stopped at step 7 (inside epoch 2) resumes
+# on 4 ranks and on 1 (with another per-rank batch: 8 x 2 accumulation).
+GB = ["--epochs", "2", "--global-batch-size", "16", "--batch-size", "4", "--clip-grad", "0.5"]
+GB += ["--lr", "0.8", "--weight-decay", "1e-4"]
+# An LR for a global batch of 256 (R.REFERENCE_BATCH); the run scales it to its own batch.
 STEADY = ["--epochs", "3", "--batch-size", "5", "--accum-steps", "2", "--keep-best", "2"]
-SCENARIOS = {  # name -> (world size, flags)
-    "sgd_w2": (2, EQ + ["--optimizer", "sgd", "--lr", "0.025", "--batch-size", "8"]),
-    "sgd_w1": (1, EQ + ["--optimizer", "sgd", "--lr", "0.05", "--batch-size", "16"]),
-    "adamw_w2": (2, EQ + ["--optimizer", "adamw", "--lr", "0.0015", "--batch-size", "8"]),
-    "adamw_w1": (1, EQ + ["--optimizer", "adamw", "--lr", "0.003", "--batch-size", "16"]),
-    "accum_w2": (
+SCENARIOS = {  # name -> (world size, flags); the 4-rank runs first, then ranks 2 and 3 leave
+    "gb_w4": (4, GB),
+    "gb_half": (2, GB + ["--max-steps", "7"]),
+    "gb_rest4": (4, GB + ["--resume", "GB_HALF"]),
+    "gb_w2": (2, GB),
+    "gb_w1": (1, GB),
+    "gb_rest1": (1, GB + ["--resume", "GB_HALF", "--batch-size", "8"]),
+    "adamw_w2": (
         2,
-        EQ + ["--lr", "0.025", "--batch-size", "5", "--accum-steps", "2", "--clip-grad", "0.5"],
+        ["--epochs", "2", "--optimizer", "adamw", "--lr", "0.012", "--batch-size", "8"],
     ),
-    "accum_w1": (1, EQ + ["--lr", "0.05", "--batch-size", "20", "--clip-grad", "0.5"]),
+    "adamw_w1": (
+        1,
+        ["--epochs", "2", "--optimizer", "adamw", "--lr", "0.012", "--batch-size", "16"],
+    ),
     # Resume: 12 steps straight vs 6 (stopped inside epoch 2), then --resume auto; then a resume
     # of the finished run (nothing left to do: evaluate, done, exit cleanly).
     "straight": (2, STEADY),
@@ -86,7 +99,7 @@ SCENARIOS = {  # name -> (world size, flags)
             "--epochs",
             "2",
             "--lr",
-            "0.05",
+            "1.6",
             "--batch-size",
             "8",
             "--amp",
@@ -107,7 +120,7 @@ SCENARIOS = {  # name -> (world size, flags)
             "--epochs",
             "2",
             "--lr",
-            "0.05",
+            "1.6",
             "--batch-size",
             "8",
             "--amp",
@@ -127,7 +140,7 @@ SCENARIOS = {  # name -> (world size, flags)
             "--batch-size",
             "8",
             "--lr",
-            "0.01",
+            "0.32",
             "--log-every",
             "2",
         ],
@@ -192,9 +205,9 @@ def _instrumented(T, name, record):
         clock = [0.0]
         real_eval = T.evaluate
 
-        def evaluate(job, dataset):
-            result = real_eval(job, dataset)  # (it syncs the buffers first)
-            record.setdefault("eval_buffers", []).append(_buffers_sha(job.model))
+        def evaluate(model, *args):
+            result = real_eval(model, *args)  # (it syncs the buffers first)
+            record.setdefault("eval_buffers", []).append(_buffers_sha(model))
             clock[0] += 1000.0
             return result
 
@@ -214,6 +227,16 @@ def _instrumented(T, name, record):
             return real_step(*a, **k)
 
         return _patched(T, load_checkpoint=load_checkpoint, train_step=train_step)
+    if name.startswith("gb_"):  # the training samples each rank augments: (epoch, index) pairs
+        real_to_input = T.to_input
+
+        def to_input(images, norm, augment=None):
+            if augment:
+                index, epoch, _ = augment
+                record.setdefault("seen", []).extend((epoch, int(i)) for i in index)
+            return real_to_input(images, norm, augment)
+
+        return _patched(T, to_input=to_input)
     return contextlib.nullcontext()
 
 
@@ -223,14 +246,12 @@ def _scenarios(T, rank, out, ports):
         if rank >= size:
             continue
         torchrun_env(rank, size, ports[name])
-        flags = [
-            str(out / "straight" / "last.pt")
-            if f == "STRAIGHT"
-            else str(out / "data")
-            if f == "CIFAR"
-            else f
-            for f in flags
-        ]
+        where = {
+            "STRAIGHT": str(out / "straight" / "last.pt"),
+            "GB_HALF": str(out / "gb_half" / "last.pt"),
+            "CIFAR": str(out / "data"),
+        }
+        flags = [where.get(f, f) for f in flags]
         argv = (
             TINY
             + ["--data-dir", str(out / "nodata")]
@@ -259,7 +280,7 @@ def _expect_exit(T, argv):
 
 
 def _failures(T, rank, out, ports):
-    good = out / "sgd_w1" / "last.pt"
+    good = out / "gb_w1" / "last.pt"
     bad = {}
     for damage in ("truncated", "corrupt", "shape"):
         path = out / f"{damage}.pt"
@@ -271,7 +292,7 @@ def _failures(T, rank, out, ports):
                 path.write_bytes(b"\x00garbage" * 64 + data[512:])
             else:
                 ckpt = torch.load(good, weights_only=True)
-                ckpt["model"]["13.weight"] = torch.zeros(10, 7)
+                ckpt["model"]["10.weight"] = torch.zeros(10, 7)
                 torch.save(ckpt, path)
         bad[damage] = ["--resume", str(path), "--batch-size", "8"]
     cases = {
@@ -286,23 +307,27 @@ def _failures(T, rank, out, ports):
             "--data-dir",
             str(out / ("data" if rank == 0 else "nodata")),
         ],
-        # checkpoint of 2 ranks x 8 resumed by 1 process; one of 1 x 16 resumed by 2 ranks x 8
-        "fewer_ranks": ["--resume", str(out / "sgd_w2" / "last.pt"), "--batch-size", "8"],
-        "more_ranks": ["--resume", str(out / "sgd_w1" / "last.pt"), "--batch-size", "8"],
+        # a checkpoint of a global batch of 16 resumed with 2 ranks x 8 x 2 accumulation = 32
+        "other_global_batch": [
+            "--resume",
+            str(out / "gb_w2" / "last.pt"),
+            "--batch-size",
+            "8",
+            "--accum-steps",
+            "2",
+        ],
+        # 2 ranks x 8 do not divide a global batch of 20
+        "indivisible": ["--global-batch-size", "20", "--batch-size", "8"],
     }
     results = {}
     for name, flags in cases.items():
-        size = 1 if name == "fewer_ranks" else 2
-        if rank < size:
-            torchrun_env(
-                rank,
-                size,
-                ports[name],
-                local_world_size=1 if name == "one_node_lacks_data" else None,
-            )
-            results[name] = _expect_exit(
-                T, TINY + ["--epochs", "2", "--checkpoint-dir", str(out / "fail")] + flags
-            )
+        local_world_size = None
+        if name == "one_node_lacks_data":
+            local_world_size = 1
+        torchrun_env(rank, 2, ports[name], local_world_size=local_world_size)
+        results[name] = _expect_exit(
+            T, TINY + ["--epochs", "2", "--checkpoint-dir", str(out / "fail")] + flags
+        )
     # --data auto with CIFAR-10 on one node only: every rank takes the synthetic set
     torchrun_env(rank, 2, ports["auto_one_node"], local_world_size=1)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -334,9 +359,9 @@ class _Copies(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not sys._getframe(1).f_code.co_filename.endswith(
-            "ddp_training.py"
-        ):  # the lesson's own calls
+        # The lesson's own calls, and its companions'.
+        caller = sys._getframe(1).f_code.co_filename
+        if not caller.endswith(("ddp_training.py", "training_data.py", "training_run.py")):
             return func(*args, **kwargs)
         if (
             func is torch.Tensor.to
@@ -358,11 +383,11 @@ def _units(T, rank, world, port, out):
     results = {}
     for variant in ({}, {"static_graph": True}, {"gradient_as_bucket_view": True}):
         torch.manual_seed(0)
-        model = T.build_model("cnn")
+        model = D.build_model("cnn")
         ddp_model = DDP(model, bucket_cap_mb=0.02, **variant)  # small buckets: several per step
         calls = [0]
 
-        def counting_hook(state, bucket):
+        def counting_hook(state, bucket, calls=calls):
             calls[0] += 1
             return default_hooks.allreduce_hook(state, bucket)
 
@@ -379,25 +404,22 @@ def _units(T, rank, world, port, out):
             calls[0] = 0
             T.train_step(ddp_model, ddp_model, opt, scaler, micro[:accum], None, 0.0)
             counts.append(calls[0])
-        results[" ".join(variant) or "plain"] = (counts, T.verify_sync(model))
-    # The hot paths: augmentation, a step, an evaluation; none may copy Python numbers to the device.
-    norm = [torch.tensor(v).view(1, 3, 1, 1) for v in (T.MEAN, T.STD)]
+        results[" ".join(variant) or "plain"] = (counts, R.verify_sync(model))
+    # The hot paths: augmentation, a step, an evaluation; none may copy Python numbers to a device.
+    norm = [torch.tensor(v).view(1, 3, 1, 1) for v in (D.MEAN, D.STD)]
     images, labels = (
         torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8),
         torch.randint(0, 10, (8,)),
     )
-    job = SimpleNamespace(
-        model=model, ddp=ddp, amp_dtype=None, norm=norm, args=SimpleNamespace(batch_size=4)
-    )
     with _Copies() as copies:
-        x = T.to_input(images, norm, (torch.arange(8), 1, 0))
+        x = D.to_input(images, norm, (torch.arange(8), 1, 0))
         T.train_step(ddp_model, ddp_model, opt, scaler, [(x, labels)], None, 1.0)
-        T.evaluate(job, torch.utils.data.TensorDataset(images, labels))
+        T.evaluate(model, torch.utils.data.TensorDataset(images, labels), ddp, norm, None, 4)
     results["copies"] = copies.found
     if rank == 1:  # a deliberate desync: rank 1 nudges one weight outside DDP
         with torch.no_grad():
-            model[4].weight[3, 1, 0, 0] += 1e-3
-    results["desync"] = T.verify_sync(model)
+            model[3].weight[3, 1, 0, 0] += 1e-3
+    results["desync"] = R.verify_sync(model)
     del ddp_model, opt  # a DDP wrapper alive at exit can abort gloo: free it first
     ddp_common.cleanup()
     return results
@@ -410,8 +432,9 @@ def _worker(rank, world, port, out, ports):
 
     out = pathlib.Path(out)
     results = {"scenarios": _scenarios(T, rank, out, ports)}
-    results["failures"] = _failures(T, rank, out, ports)
-    results["units"] = _units(T, rank, world, port, out)
+    if rank < 2:
+        results["failures"] = _failures(T, rank, out, ports)
+        results["units"] = _units(T, rank, 2, port, out)
     torch.save(results, out / f"results{rank}.pt")
 
 
@@ -427,12 +450,12 @@ def spawned(tmp_path_factory):
         "too_few",
         "offline",
         "one_node_lacks_data",
-        "fewer_ranks",
-        "more_ranks",
+        "other_global_batch",
+        "indivisible",
         "auto_one_node",
     ]
-    spawn(_worker, 2, str(out), {name: free_port() for name in names})
-    return out, [torch.load(out / f"results{r}.pt", weights_only=False) for r in range(2)]
+    spawn(_worker, 4, str(out), {name: free_port() for name in names})
+    return out, [torch.load(out / f"results{r}.pt", weights_only=False) for r in range(4)]
 
 
 def _ckpt(out, name, file="last.pt"):
@@ -440,42 +463,81 @@ def _ckpt(out, name, file="last.pt"):
 
 
 # ---- training scenarios ----------------------------------------------------------------------
-@pytest.mark.parametrize("optim", ["sgd", "adamw", "accum"])
-def test_two_ranks_equal_one_process_with_the_global_batch(spawned, optim):
-    """The central proof: DDP on 2 ranks x B takes the same steps as 1 process with batch 2B (and
-    2 ranks x 2 micro-steps x B as 1 x 4B). The global batches hold the same samples: rank r
-    reads positions r, r+2, ... of the shuffled order, so step k of both runs covers positions
-    [kG, (k+1)G) of the same permutation; augmentation depends on the sample, not the rank."""
-    out, _ = spawned
-    two, one = _ckpt(out, f"{optim}_w2"), _ckpt(out, f"{optim}_w1")
-    assert two["step"] == one["step"] == (8 if optim == "accum" else 10)
-    import ddp_training
+def _assert_same_run(out, name, reference, bound):
+    """Two runs end at the same weights and optimizer state, to float tolerance: how far apart
+    they end, relative to how far training moved the weights. Float sums in another order leave
+    ~1e-6 to 1e-5 with SGD (a ReLU or a max-pool that flips on a rounding error amplifies it; the
+    momentum, a sum of the last gradients, 10x more); a real error (no averaging, wrong samples,
+    wrong LR) is of order 1."""
+    run, ref = _ckpt(out, name), _ckpt(out, reference)
+    assert run["step"] == ref["step"] and run["epoch"] == ref["epoch"]
+    torch.manual_seed(3)  # --seed 3: the initial weights of every run
+    init = D.build_model("cnn").state_dict()
+    assert run["model"].keys() == ref["model"].keys()
+    for key, p_ref in ref["model"].items():
+        moved = float((p_ref - init[key]).norm())
+        assert moved > 1e-3, f"{reference}: {key} did not train"
+        assert float((run["model"][key] - p_ref).norm()) / moved < bound, f"{name}: {key} differs"
+    opt, opt_ref = flat_tensors(run["optimizer"]["state"]), flat_tensors(ref["optimizer"]["state"])
+    assert opt.keys() == opt_ref.keys() and opt
+    for key in opt:  # momentum / Adam moments (and step counts)
+        diff = float((opt[key].double() - opt_ref[key].double()).norm())
+        assert diff <= 10 * bound * float(opt_ref[key].double().norm()) + 1e-12, f"{name}: {key}"
 
-    torch.manual_seed(3)  # --seed 3: the initial weights of both runs
-    init = ddp_training.build_model("cnn").state_dict()
-    # How far apart the runs end, relative to how far training moved the weights. Float sums in
-    # a different order leave ~1e-6 with SGD. Adam divides by sqrt(v): where a gradient is ~0 its
-    # rounding noise becomes a full-size step, so AdamW gets a looser bound. A real error (no
-    # averaging, wrong samples, wrong LR) is of order 1.
-    bound = 1e-2 if optim == "adamw" else 1e-4
-    assert two["model"].keys() == one["model"].keys()
-    for name, p1 in one["model"].items():
-        moved = float((p1 - init[name]).norm())
-        assert moved > 1e-3, f"{name} did not train"
-        assert float((two["model"][name] - p1).norm()) / moved < bound, f"{optim}: {name} differs"
-    opt2, opt1 = flat_tensors(two["optimizer"]["state"]), flat_tensors(one["optimizer"]["state"])
-    assert opt2.keys() == opt1.keys() and opt2
-    for key in opt2:  # momentum / Adam moments (and step counts)
-        assert (
-            float((opt2[key].double() - opt1[key].double()).norm())
-            <= bound * float(opt1[key].double().norm()) + 1e-12
-        ), f"{optim}: {key}"
+
+@pytest.mark.parametrize("name", ["gb_w4", "gb_w1"])
+def test_one_global_batch_is_the_same_run_on_any_world_size(spawned, name):
+    """The central proof: a global batch of 16 as 4 ranks x 4, 2 x 4 x 2 accumulation steps, or
+    1 x 4 x 4 takes the same steps. Rank r reads positions r, r+W, ... of the epoch's permutation
+    and cuts its shard into the step's micro-batches, so step s covers positions [sG, (s+1)G) on
+    every world size; augmentation depends on the sample, not the rank."""
+    out, results = spawned
+    assert _ckpt(out, name)["step"] == 10  # 2 epochs of 90 // 16 = 5 steps
+    _assert_same_run(out, name, "gb_w2", 1e-4)
+
+
+def test_adamw_on_two_ranks_equals_one_process(spawned):
+    """AdamW, 2 ranks x 8 against 1 x 16. Adam divides by sqrt(v): where a gradient is ~0 its
+    rounding noise becomes a full-size step, so AdamW gets a looser bound."""
+    _assert_same_run(spawned[0], "adamw_w2", "adamw_w1", 1e-2)
+
+
+@pytest.mark.parametrize("name", ["gb_rest4", "gb_rest1"])
+def test_a_run_stopped_on_2_ranks_resumes_on_4_or_1_as_if_uninterrupted(spawned, name):
+    """Stopped by --max-steps 7 on 2 ranks (2 steps into epoch 2), resumed on 4 ranks (x 4, no
+    accumulation) or on 1 (x 8, 2 accumulation steps): the same weights as the 2-rank run that
+    never stopped, and every sample of the interrupted epoch trained exactly once."""
+    out, results = spawned
+    half = results[0]["scenarios"]["gb_half"]
+    assert half["step"] == 7 and half["epoch"] == 1 and half["epoch_samples"] == 2 * 16
+    _assert_same_run(out, name, "gb_w2", 1e-4)
+    ranks = {"gb_rest4": 4, "gb_rest1": 1}[name]
+    seen = []
+    for r in range(2):
+        seen += [i for epoch, i in results[r]["scenarios"]["gb_half"]["seen"] if epoch == 1]
+    for r in range(ranks):
+        seen += [i for epoch, i in results[r]["scenarios"][name]["seen"] if epoch == 1]
+    straight = []
+    for r in range(2):
+        straight += [i for epoch, i in results[r]["scenarios"]["gb_w2"]["seen"] if epoch == 1]
+    assert len(seen) == 5 * 16 == len(set(seen))  # the epoch's size, nothing twice
+    assert sorted(seen) == sorted(straight)  # the samples the uninterrupted run trained on
+
+
+def test_lr_scales_with_the_global_batch(spawned):
+    """--lr is the LR of a global batch of 256: SGD scales it linearly with the whole global
+    batch (accumulation included), AdamW by the square root."""
+    out, _ = spawned
+    for name in ("gb_w4", "gb_w2", "gb_w1"):  # 16 = 4 x 4 = 4 x 2 x 2 = 4 x 1 x 4
+        assert _ckpt(out, name)["scheduler"]["base_lrs"] == [0.8 * 16 / R.REFERENCE_BATCH]
+    adamw = _ckpt(out, "adamw_w2")["scheduler"]["base_lrs"][0]
+    assert adamw == pytest.approx(0.012 * math.sqrt(16 / R.REFERENCE_BATCH))
 
 
 def test_equivalence_is_not_trivial(spawned):
     """The runs above really trained, and the different runs (sgd vs adamw) ended apart."""
     out, _ = spawned
-    sgd, adamw = _ckpt(out, "sgd_w1")["model"], _ckpt(out, "adamw_w1")["model"]
+    sgd, adamw = _ckpt(out, "gb_w1")["model"], _ckpt(out, "adamw_w1")["model"]
     assert max(float((sgd[k] - adamw[k]).abs().max()) for k in sgd) > 1e-2
 
 
@@ -483,11 +545,9 @@ def test_resume_continues_bitwise(spawned):
     """12 steps straight == 6 steps (stopped inside epoch 2) + --resume auto to 12: bitwise-equal
     parameters, optimizer state, schedule, progress counters, best-k list and RNG states."""
     out, results = spawned
+    half = results[0]["scenarios"]["half"]
+    assert half["step"] == 6 and half["epoch_samples"] == 2 * 20
     straight, resumed = _ckpt(out, "straight"), _ckpt(out, "rest")
-    assert (
-        results[0]["scenarios"]["half"]["step"] == 6
-        and results[0]["scenarios"]["half"]["epoch_step"] == 2
-    )
     assert straight["step"] == resumed["step"] == 12 and straight["epoch"] == resumed["epoch"] == 3
     for name, p in straight["model"].items():
         assert torch.equal(p, resumed["model"][name]), name
@@ -521,23 +581,15 @@ def test_resuming_a_finished_run_is_a_clean_no_op(spawned):
 def test_checkpoint_contents_and_best_k(spawned):
     out, _ = spawned
     ckpt = _ckpt(out, "straight")
-    assert {
-        "model",
-        "optimizer",
-        "scheduler",
-        "scaler",
-        "epoch",
-        "epoch_step",
-        "step",
-        "rng",
-    } <= ckpt.keys()
+    keys = {"model", "optimizer", "scheduler", "scaler", "epoch", "epoch_samples", "step", "rng"}
+    assert keys | {"global_batch", "world_size", "best"} <= ckpt.keys()
+    assert ckpt["global_batch"] == 20 and ckpt["world_size"] == 2  # 2 ranks x 5 x 2 accumulation
     assert len(ckpt["rng"]) == 2 and isinstance(ckpt["rng"][1][0], torch.Tensor)
     assert not any(k.startswith("module.") for k in ckpt["model"])  # model.module was saved
-    assert ckpt["scheduler"]["base_lrs"] == [0.02]  # cnn default 0.01 x 2 ranks (linear scaling)
-    assert _ckpt(out, "sgd_w2")["scheduler"]["base_lrs"] == [0.05]  # --lr 0.025 x 2
     on_disk = {f.name for f in (out / "straight").iterdir() if f.name.startswith("best-")}
-    assert len(on_disk) == 2 and on_disk == {b[2] for b in ckpt["best"]}  # k=2 kept, rest deleted
-    accs = [b[0] for b in ckpt["best"]]
+    # k=2 kept, the rest deleted; the file names follow from the epochs
+    assert len(on_disk) == 2 and on_disk == {R.best_name(epoch) for _, epoch in ckpt["best"]}
+    accs = [acc for acc, _ in ckpt["best"]]
     assert accs == sorted(accs, reverse=True) and ckpt["best_acc"] == accs[0]
 
 
@@ -644,17 +696,27 @@ def test_data_auto_agrees_on_one_dataset_across_nodes(spawned):
     ] * 2
 
 
-def test_resume_with_another_world_size_is_refused(spawned):
-    """Steps count global batches and the scheduler saved lr x world size: resuming a 2-rank
-    checkpoint on 1 process, or a 1-process one on 2 ranks, stops with one line (exit 2)."""
-    assert "saved by 2 ranks" in _one_line(spawned[1], "fewer_ranks", code=2, ranks=(0,))
-    assert "saved by 1 ranks" in _one_line(spawned[1], "more_ranks", code=2)
+def test_resume_with_another_global_batch_is_refused(spawned):
+    """A step is one global batch: resuming with another one (here 32 for a checkpoint of 16)
+    stops with one line (exit 2) that says which to use. (Another world size is fine: above.)"""
+    assert "--global-batch-size 16" in _one_line(spawned[1], "other_global_batch", code=2)
+
+
+def test_a_global_batch_the_ranks_cannot_divide_is_refused(spawned):
+    assert "--global-batch-size 20" in _one_line(spawned[1], "indivisible", code=2)
 
 
 def test_bad_flags_exit_2_with_one_error_line(capsys):
     import ddp_training
 
-    for flags in (["--accum-steps", "0"], ["--lr", "0"], ["--amp", "fp8"], ["--epochs", "-1"]):
+    for flags in (
+        ["--accum-steps", "0"],
+        ["--lr", "0"],
+        ["--amp", "fp8"],
+        ["--epochs", "-1"],
+        ["--global-batch-size", "-1"],
+        ["--global-batch-size", "32", "--accum-steps", "2"],
+    ):
         with pytest.raises(SystemExit) as e:
             ddp_training.parse_args(flags)
         err = capsys.readouterr().err
@@ -684,7 +746,7 @@ def test_no_sync_skips_communication_on_non_final_micro_steps(spawned, variant):
 def test_verify_sync_names_the_first_differing_tensor(spawned):
     for rank in range(2):  # both ranks see the mismatch, so both stop
         name, diff = spawned[1][rank]["units"]["desync"]
-        assert name == "4.weight" and diff == pytest.approx(1e-3, rel=1e-3)
+        assert name == "3.weight" and diff == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_no_host_copies_in_the_hot_loop(spawned):
@@ -786,3 +848,52 @@ def test_kill_during_save_leaves_last_checkpoint_loadable(tmp_path):
     final = torch.load(ckpt / "last.pt", weights_only=True)
     assert final["epoch"] == 2 and final["step"] == 2 * 11  # 180 train samples / 2 ranks / 8
     assert "steps 22 |" in r.stdout
+
+
+# ---- a crafted checkpoint must not delete files (issue 24, item 1) ----------------------------
+def _error_lines(text):
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+def _crafted_best_worker(rank, world, port, out):
+    import pathlib
+
+    import ddp_training as T
+
+    out = pathlib.Path(out)
+    ckpt_dir = out / "a" / "b"
+    base = TINY + ["--batch-size", "8", "--checkpoint-dir", str(ckpt_dir)]
+    torchrun_env(rank, world, port)
+    with contextlib.redirect_stdout(io.StringIO()):
+        T.main(base + ["--epochs", "1"])
+    # The checkpoint as a stranger could hand it over: its best-k list names a file two levels up
+    # (the old layout [accuracy, epoch, name]), then the same path where an epoch belongs.
+    ckpt = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    outcomes = {}
+    for name, entry in (
+        ("name", [-1.0, 1, "../../victim.txt"]),
+        ("epoch", [-1.0, "../../victim.txt"]),
+    ):
+        (out / "victim.txt").write_text("keep me")
+        ckpt["best"] = [entry]
+        torch.save(ckpt, out / f"crafted_{name}.pt")
+        torchrun_env(rank, world, free_port())
+        argv = base + ["--epochs", "2", "--resume", str(out / f"crafted_{name}.pt")]
+        try:
+            code, err = _expect_exit(T, argv)
+        except Exception as e:  # (the old code crashed on the second one)
+            ddp_common.cleanup()
+            code, err = -1, repr(e)
+        outcomes[name] = (code, err, (out / "victim.txt").exists())
+    torch.save(outcomes, out / "crafted.pt")
+
+
+def test_a_crafted_checkpoint_cannot_delete_files_outside_its_dir(tmp_path):
+    """A last.pt whose best-k list holds "../../victim.txt": on resume, the old code trained an
+    epoch and then os.remove()d that path as an evicted best checkpoint. Now the names the run
+    deletes come from epoch numbers, and a checkpoint holding anything else is refused."""
+    spawn(_crafted_best_worker, 1, str(tmp_path))
+    outcomes = torch.load(tmp_path / "crafted.pt", weights_only=False)
+    for name, (code, err, victim_alive) in outcomes.items():
+        assert victim_alive, f"{name}: the victim was deleted"
+        assert code == 1 and len(_error_lines(err)) == 1 and "Traceback" not in err, (name, err)
