@@ -61,7 +61,7 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
     if device.type == "cuda":
         # Before init: NCCL binds each process to the GPU that is current when it joins.
         torch.cuda.set_device(device)
-    else:
+    elif "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks share the cores: a full thread pool each would oversubscribe them.
         torch.set_num_threads(max(1, cpu_count() // local_world_size))
     seconds = timeout_s or float(os.environ.get("DDP_TIMEOUT", 600))

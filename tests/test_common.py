@@ -44,7 +44,7 @@ def test_setup_under_torchrun():
         assert r["world_size"] == 2 and r["local_world_size"] == 2 and r["launcher"] == "torchrun"
         assert r["local_rank"] == r["rank"] and r["backend"] == "gloo" and r["device"] == "cpu"
         assert r["rank_sum"] == 1.0  # the all-reduce really went across both processes
-        assert r["threads"] == max(1, ddp_common.cpu_count() // 2)
+        assert r["threads"] == 1  # OMP_NUM_THREADS=1 (cpu_env) is kept, not overridden
 
 
 def _spawned_probe(rank, world_size, port, out_dir):
