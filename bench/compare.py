@@ -1,10 +1,11 @@
 """Are the lessons as fast as what users would run instead? Both, side by side, on THIS machine.
 
-    python bench/compare.py          # fetches nanoGPT (git), installs Lightning (pip), prints the table
+    python bench/compare.py     # fetches nanoGPT (git), installs Lightning (pip), prints the table
 
 - lesson 5 (gpt2_ddp.py) against karpathy/nanoGPT's train.py on the same work: GPT-2 with biases,
-  4 layers x 128 wide, 4 heads, context 128, batch 8 per rank, the GPT-2 vocabulary padded to 50,304,
-  AdamW, clip 1.0; fp32 on a CPU, bf16 on a GPU; 1 and 2 processes (--gpt-preset 124m: GPT-2 124M).
+  4 layers x 128 wide, 4 heads, context 128, batch 8 per rank, the GPT-2 vocabulary padded to
+  50,304, AdamW, clip 1.0; fp32 on a CPU, bf16 on a GPU; 1 and 2 processes (--gpt-preset 124m:
+  GPT-2 124M).
 - lesson 2 (ddp_training.py) against the same job written with Lightning (bench/lightning_cifar.py):
   ResNet-18 with the CIFAR stem, crop + flip, SGD, warm-up + cosine, 2 ranks x 32 (synthetic images).
 - the DDP wrapper at world size 1 against the bare model, on lesson 2's step (in this process).
@@ -26,7 +27,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ddp_common import fail, free_port  # noqa: E402
+from ddp_common import cpu_count, fail, free_port  # noqa: E402
 
 NANOGPT_URL, NANOGPT_COMMIT = (
     "https://github.com/karpathy/nanoGPT",
@@ -153,8 +154,9 @@ def run(cmd, cwd=ROOT, env=None, timeout=1800):
 
 
 def flops_per_token(preset):
-    """nanoGPT's count, for MFU: 6 per non-embedding parameter (the tied wte counts, wpe does not), plus attention."""
-    from gpt2_ddp import GPT, GPTConfig
+    """nanoGPT's count, for MFU: 6 per non-embedding parameter (the tied wte counts, wpe does
+    not), plus attention."""
+    from gpt2_model import GPT, GPTConfig
 
     cfg = GPTConfig(**GPT_PRESETS[preset], vocab_size=50257)
     n = sum(p.numel() for p in GPT(cfg).parameters()) - cfg.block_size * cfg.n_embd
@@ -184,7 +186,8 @@ def interval_rate(out, unit, warmup):
 
 
 def get_nanogpt(args):
-    """A nanoGPT checkout at the pinned commit (cloned once), plus train_cpu.py: train.py, patched for CPUs."""
+    """A nanoGPT checkout at the pinned commit (cloned once), plus train_cpu.py: its train.py,
+    patched for CPUs."""
     path = args.nanogpt or os.path.join(args.work, "nanoGPT")
     if not os.path.isfile(os.path.join(path, "train.py")):
         if args.nanogpt:
@@ -195,14 +198,16 @@ def get_nanogpt(args):
             subprocess.run(["git", "-C", path, "checkout", "-q", NANOGPT_COMMIT], check=True)
         except (OSError, subprocess.SubprocessError) as e:
             fail(
-                f"cannot fetch nanoGPT ({type(e).__name__}): clone {NANOGPT_URL} yourself and pass --nanogpt DIR",
+                f"cannot fetch nanoGPT ({type(e).__name__}): clone {NANOGPT_URL} yourself and "
+                "pass --nanogpt DIR",
                 1,
             )
     src = open(os.path.join(path, "train.py")).read()
     for old, new in NANOGPT_CPU_PATCH:
         if src.count(old) != 1:
             fail(
-                f"{path}/train.py is not the nanoGPT this expects (commit {NANOGPT_COMMIT[:8]}): `{old.strip()}`",
+                f"{path}/train.py is not the nanoGPT this expects (commit {NANOGPT_COMMIT[:8]}): "
+                f"`{old.strip()}`",
                 1,
             )
         src = src.replace(old, new)
@@ -211,7 +216,8 @@ def get_nanogpt(args):
 
 
 def gpt_text(args, nanogpt):
-    """The course's own text, tokenized with GPT-2's BPE: a text file for ours, .bin files for nanoGPT."""
+    """The course's own text, tokenized with GPT-2's BPE: a text file for ours, .bin files for
+    nanoGPT."""
     import tiktoken
 
     text = "\n".join(
@@ -233,11 +239,9 @@ def gpt_text(args, nanogpt):
 
 def gpt_pair(args, n, text, nanogpt, cuda):
     """One run of each: lesson 5 and nanoGPT on the same model, batch, steps and world size."""
-    cfg, s, threads = (
-        GPT_PRESETS[args.gpt_preset],
-        args.gpt_steps,
-        max(1, len(os.sched_getaffinity(0)) // n),
-    )
+    cfg = GPT_PRESETS[args.gpt_preset]
+    steps = args.gpt_steps
+    threads = max(1, cpu_count() // n)
     ours = [
         sys.executable,
         "gpt2_ddp.py",
@@ -252,7 +256,7 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         "--batch-size",
         8,
         "--max-steps",
-        s,
+        steps,
         "--log-every",
         5,
         "--epochs",
@@ -262,17 +266,12 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         "--checkpoint-dir",
         os.path.join(args.work, "ck5"),
     ]
-    launch = (
-        [sys.executable]
-        if n == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={n}",
-        ]
-    )
+    # nanoGPT runs DDP under torchrun only.
+    if n == 1:
+        launch = [sys.executable]
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launch.append(f"--nproc_per_node={n}")
     theirs = launch + [
         "train_cpu.py",
         "--dataset=ddpcourse",
@@ -287,8 +286,8 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         "--weight_decay=0.1",
         "--beta2=0.95",
         "--grad_clip=1.0",
-        f"--max_iters={s}",
-        f"--lr_decay_iters={s}",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
         "--warmup_iters=10",
         "--eval_interval=1000000",
         "--eval_iters=1",
@@ -434,10 +433,10 @@ def main():
             print(f"gpt2_ddp.py vs nanoGPT, {n} process(es):", flush=True)
             ours, theirs = alternate(gpt_pair(args, n, text, nanogpt, cuda), args.pairs)
             rows.append((f"GPT-2 {args.gpt_preset}, {n} proc", "nanoGPT", "tokens/s", ours, theirs))
-            if (m := mfu(statistics.median(ours), n, args.gpt_preset)) is not None:
-                print(
-                    f"mfu: ours {m:.1%} | nanoGPT {mfu(statistics.median(theirs), n, args.gpt_preset):.1%}"
-                )
+            ours_mfu = mfu(statistics.median(ours), n, args.gpt_preset)
+            if ours_mfu is not None:
+                theirs_mfu = mfu(statistics.median(theirs), n, args.gpt_preset)
+                print(f"mfu: ours {ours_mfu:.1%} | nanoGPT {theirs_mfu:.1%}")
     if args.only in (None, "cifar"):
         try:
             import lightning  # noqa: F401
