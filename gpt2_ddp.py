@@ -305,7 +305,7 @@ def train(args, ddp, data):
         f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} "
         f"| model {params / 1e6:.1f}M params | world {ddp.world_size} | backend {ddp.backend} "
         f"| device {ddp.device.type} | amp {amp} | compile {args.compile} | batch "
-        f"{args.batch_size}/rank x {accum_steps} accum x {ddp.world_size} ranks = {global_batch} "
+        f"{args.batch_size}/rank x {accum_steps} accum x world {ddp.world_size} = {global_batch} "
         f"windows of {max_length} = {tokens_per_step} tokens/step | steps {total}"
     )
     if step == 0:
