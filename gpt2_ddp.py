@@ -42,7 +42,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel")
+    parser = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel. docs/gpt2.md")
     parser.add_argument("--nproc", type=int, help="mp.spawn workers (default: 1 per GPU, else 1)")
     parser.add_argument("--init-from", default="scratch", help="scratch, gpt2[-medium|...], PATH")
     parser.add_argument("--preset", default="tiny", choices=list(gpt2_model.PRESETS))

@@ -584,20 +584,6 @@ def test_a_run_stopped_on_1_rank_and_resumed_on_2_ends_as_the_uninterrupted_run(
     assert not torch.equal(half["model"]["wte.weight"], end["model"]["wte.weight"])
 
 
-def test_batch_arithmetic_mistakes_are_one_line(tmp_path, capsys):
-    story = write_story(tmp_path / "s.txt", 30)
-    for argv, world, words in (
-        (["--global-batch-size", "12"], 2, "not a multiple of 2 ranks x --batch-size 4"),
-        (["--global-batch-size", "16", "--accum-steps", "2"], 2, "give one of the two"),
-        (["--global-batch-size", "4096"], 1, "too few"),
-    ):
-        with pytest.raises(SystemExit) as stop:
-            args = gpt2_ddp.parse_args(["--text", str(story), *SMALL, *argv])
-            gpt2_ddp.prepare(args, world)
-        err = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and len(err) == 1 and words in err[0], err
-
-
 def fake_group(world_size):
     """A process group of `world_size` in this one process; its collectives do nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -702,7 +688,7 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
         "--max-length",
         "64",
         "--max-steps",
-        "30",
+        "20",
         "--lr",
         "3e-3",
         "--log-every",
@@ -717,10 +703,10 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
     assert_ok(result)
     assert result.stderr.strip() == "", result.stderr[-2000:]
     done = done_fields(result)
-    assert done["world"] == "2" and done["steps"] == "30" and done["tokenizer"] == "bytes"
+    assert done["world"] == "2" and done["steps"] == "20" and done["tokenizer"] == "bytes"
     ckpt = torch.load(ck / "gpt2.pt", weights_only=True)
     losses = [v for _, v in ckpt["val_losses"]]
-    assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 30
+    assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 20
     assert losses[-1] < 0.6 * losses[0], losses  # validation loss went down
     assert float(done["val_loss"]) == pytest.approx(losses[-1], abs=1e-4)
     data = gpt2_ddp.prepare(
@@ -795,23 +781,36 @@ def test_init_from_gpt2_offline_without_a_cache_is_one_line(tmp_path):
     )
 
 
-def test_user_mistakes_are_one_line_exit_2(tmp_path):
-    result = run_python(
-        "gpt2_ddp.py", "--text", tmp_path / "nope.txt", "--tokenizer", "bytes", timeout=TIMEOUT
-    )
-    assert len(assert_clean_failure(result, code=2)) == 1
+def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys):
+    """One real launch (the mp.spawn parent stops before any worker starts), then the same path
+    in this process for each other mistake: parse_args and prepare exit 2 with one line."""
     short = write_story(tmp_path / "short.txt", 3)
     result = run_python(
         "gpt2_ddp.py", "--nproc", "2", "--text", short, "--tokenizer", "bytes", timeout=TIMEOUT
     )
-    assert len(assert_clean_failure(result, code=2)) == 1 and "Traceback" not in result.stderr
-    hf_gpt2(tmp_path / "hf")  # GPT-2's 50,257 ids, not 257 bytes
-    for bad in (
-        ["--init-from", tmp_path / "no-such-dir"],
-        ["--init-from", tmp_path / "hf", "--tokenizer", "bytes"],
-    ):
-        result = run_python("gpt2_ddp.py", "--text", short, *bad, timeout=TIMEOUT)
-        assert len(assert_clean_failure(result, code=2)) == 1 and "--init-from" in result.stderr
+    errs = assert_clean_failure(result, code=2)
+    assert len(errs) == 1 and "too few" in errs[0] and "Traceback" not in result.stderr
+    # GPT-2's 50,257 ids, not 257 bytes.
+    hf_gpt2(tmp_path / "hf")
+    story = write_story(tmp_path / "s.txt", 40)
+    # hf_gpt2's progress bar, on stderr.
+    capsys.readouterr()
+    cases = [
+        (["--text", str(tmp_path / "nope.txt")], 1, "is not a file"),
+        (["--init-from", str(tmp_path / "no-such-dir")], 1, "--init-from"),
+        (["--init-from", str(tmp_path / "hf")], 1, "--init-from has 50257 tokens"),
+        (["--batch-size", "0"], 1, "--batch-size must be at least 1"),
+        (["--max-length", "512"], 1, "exceeds the model's context"),
+        (["--global-batch-size", "12"], 2, "not a multiple of 2 ranks x --batch-size 4"),
+        (["--global-batch-size", "16", "--accum-steps", "2"], 2, "give one of the two"),
+        (["--global-batch-size", "4096"], 1, "too few"),
+    ]
+    for argv, world_size, words in cases:
+        with pytest.raises(SystemExit) as stop:
+            args = gpt2_ddp.parse_args(["--text", str(story), *SMALL, *argv])
+            gpt2_ddp.prepare(args, world_size)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
 
 
 @pytest.mark.slow
