@@ -125,6 +125,7 @@ def batch_sizes(args, world_size):
             f"--global-batch-size {global_batch} is not a multiple of {world_size} ranks x "
             f"--batch-size {args.batch_size}"
         )
+    # DDP: the accumulation steps absorb the world size; the global batch stays what it is.
     return global_batch, global_batch // per_micro_batch
 
 
@@ -197,7 +198,7 @@ def build(args, ddp, data):
     set_seed(args.seed)
     model = gpt2_model.GPT(gpt2_model.GPTConfig(**data["config"]))
     if data["init"] and not data["resume"]:
-        # Every rank loads the weights: DDP starts from them. Another node fetches its own copy.
+        # DDP: every rank loads the weights before the wrap. Another node fetches its own copy.
         local = data["init"]
         if not os.path.isfile(local):
             local = gpt2_model.pretrained(args.init_from)[0]
