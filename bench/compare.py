@@ -1,15 +1,18 @@
 """Are the lessons as fast as what users would run instead? Both, side by side, on THIS machine.
 
-    python bench/compare.py          # fetches nanoGPT (git), installs Lightning (pip), prints the table
+    python bench/compare.py     # fetches nanoGPT (git), installs Lightning (pip), prints the table
 
 - lesson 5 (gpt2_ddp.py) against karpathy/nanoGPT's train.py on the same work: GPT-2 with biases,
-  4 layers x 128 wide, 4 heads, context 128, batch 8 per rank, the GPT-2 vocabulary padded to 50,304,
-  AdamW, clip 1.0; fp32 on a CPU, bf16 on a GPU; 1 and 2 processes (--gpt-preset 124m: GPT-2 124M).
-- lesson 2 (ddp_training.py) against the same job written with Lightning (bench/lightning_cifar.py):
-  ResNet-18 with the CIFAR stem, crop + flip, SGD, warm-up + cosine, 2 ranks x 32 (synthetic images).
+  4 layers x 128 wide, 4 heads, context 128, batch 8 per rank, the GPT-2 vocabulary padded to
+  50,304, AdamW, clip 1.0; fp32 on a CPU, bf16 on a GPU; 1 and 2 processes (--gpt-preset 124m:
+  GPT-2 124M).
+- lesson 2 (ddp_training.py) against the same job written with Lightning
+  (bench/lightning_cifar.py): ResNet-18 with the CIFAR stem, crop + flip, SGD, warm-up + cosine,
+  2 ranks x 32 (synthetic images).
 - the DDP wrapper at world size 1 against the bare model, on lesson 2's step (in this process).
-Runs alternate (ours, theirs, theirs, ours, ...) so a machine that gets busier slows both alike; each
-program's own steady-state rate (steps after the first --warmup) is kept, the table shows medians.
+Runs alternate (ours, theirs, theirs, ours, ...) so a machine that gets busier slows both alike;
+each program's own steady-state rate (steps after the first --warmup) is kept, the table shows
+medians.
 """
 
 import argparse
@@ -26,7 +29,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ddp_common import fail, free_port  # noqa: E402
+from ddp_common import cpu_count, fail, free_port  # noqa: E402
 
 NANOGPT_URL, NANOGPT_COMMIT = (
     "https://github.com/karpathy/nanoGPT",
@@ -108,7 +111,8 @@ def parse_args():
         < 1
     ):
         fail(
-            "--pairs, --procs and --ddp1-steps must be >= 1, and --gpt/cifar-steps more than --warmup"
+            "--pairs, --procs and --ddp1-steps must be >= 1, "
+            "and --gpt/cifar-steps more than --warmup"
         )
     return args
 
@@ -125,7 +129,7 @@ def machine():
             ),
             cpu,
         )
-    what = f"{cpu} ({len(os.sched_getaffinity(0))} cores)"
+    what = f"{cpu} ({cpu_count()} cores)"
     if torch.cuda.is_available():
         what = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {what}"
     return f"{what} | torch {torch.__version__} | {platform.system()} {platform.release()}"
@@ -145,16 +149,21 @@ def run(cmd, cwd=ROOT, env=None, timeout=1800):
     if r.returncode:
         tail = " / ".join((r.stdout + r.stderr).strip().splitlines()[-3:])
         fail(f"{' '.join(map(str, cmd[:4]))}... exited {r.returncode}: {tail[-500:]}", 1)
+    if cmd[0] == sys.executable:
+        program = os.path.basename(str(cmd[1]))
+    else:
+        program = os.path.basename(str(cmd[0]))
     print(
-        f"  ran {os.path.basename(str(cmd[1 if cmd[0] == sys.executable else 0]))} in {time.perf_counter() - t:.0f}s",
+        f"  ran {program} in {time.perf_counter() - t:.0f}s",
         flush=True,
     )
     return r.stdout + r.stderr
 
 
 def flops_per_token(preset):
-    """nanoGPT's count, for MFU: 6 per non-embedding parameter (the tied wte counts, wpe does not), plus attention."""
-    from gpt2_ddp import GPT, GPTConfig
+    """nanoGPT's count, for MFU: 6 per non-embedding parameter (the tied wte counts, wpe does
+    not), plus attention."""
+    from gpt2_model import GPT, GPTConfig
 
     cfg = GPTConfig(**GPT_PRESETS[preset], vocab_size=50257)
     n = sum(p.numel() for p in GPT(cfg).parameters()) - cfg.block_size * cfg.n_embd
@@ -162,7 +171,7 @@ def flops_per_token(preset):
 
 
 def mfu(tokens_per_s, procs, preset):
-    """Model FLOPs utilisation against one GPU's dense bf16 peak; None off the table (or on a CPU)."""
+    """Model FLOPs utilisation against one GPU's dense bf16 peak; None off the table or on a CPU."""
     if not torch.cuda.is_available():
         return None
     peak = next(
@@ -172,7 +181,8 @@ def mfu(tokens_per_s, procs, preset):
 
 
 def interval_rate(out, unit, warmup):
-    """Ours: log lines `step S/T | ... | R unit` after step `warmup`; equal intervals -> harmonic mean."""
+    """Ours: log lines `step S/T | ... | R unit` after step `warmup`; equal intervals: harmonic
+    mean."""
     rates = [
         float(m[2])
         for m in re.finditer(rf"step (\d+)/\d+ \|.*? (\d+(?:\.\d+)?) {unit}", out)
@@ -184,7 +194,8 @@ def interval_rate(out, unit, warmup):
 
 
 def get_nanogpt(args):
-    """A nanoGPT checkout at the pinned commit (cloned once), plus train_cpu.py: train.py, patched for CPUs."""
+    """A nanoGPT checkout at the pinned commit (cloned once), plus train_cpu.py: its train.py,
+    patched for CPUs."""
     path = args.nanogpt or os.path.join(args.work, "nanoGPT")
     if not os.path.isfile(os.path.join(path, "train.py")):
         if args.nanogpt:
@@ -195,14 +206,16 @@ def get_nanogpt(args):
             subprocess.run(["git", "-C", path, "checkout", "-q", NANOGPT_COMMIT], check=True)
         except (OSError, subprocess.SubprocessError) as e:
             fail(
-                f"cannot fetch nanoGPT ({type(e).__name__}): clone {NANOGPT_URL} yourself and pass --nanogpt DIR",
+                f"cannot fetch nanoGPT ({type(e).__name__}): clone {NANOGPT_URL} yourself and "
+                "pass --nanogpt DIR",
                 1,
             )
     src = open(os.path.join(path, "train.py")).read()
     for old, new in NANOGPT_CPU_PATCH:
         if src.count(old) != 1:
             fail(
-                f"{path}/train.py is not the nanoGPT this expects (commit {NANOGPT_COMMIT[:8]}): `{old.strip()}`",
+                f"{path}/train.py is not the nanoGPT this expects (commit {NANOGPT_COMMIT[:8]}): "
+                f"`{old.strip()}`",
                 1,
             )
         src = src.replace(old, new)
@@ -211,7 +224,8 @@ def get_nanogpt(args):
 
 
 def gpt_text(args, nanogpt):
-    """The course's own text, tokenized with GPT-2's BPE: a text file for ours, .bin files for nanoGPT."""
+    """The course's own text, tokenized with GPT-2's BPE: a text file for ours, .bin files for
+    nanoGPT."""
     import tiktoken
 
     text = "\n".join(
@@ -233,11 +247,9 @@ def gpt_text(args, nanogpt):
 
 def gpt_pair(args, n, text, nanogpt, cuda):
     """One run of each: lesson 5 and nanoGPT on the same model, batch, steps and world size."""
-    cfg, s, threads = (
-        GPT_PRESETS[args.gpt_preset],
-        args.gpt_steps,
-        max(1, len(os.sched_getaffinity(0)) // n),
-    )
+    cfg = GPT_PRESETS[args.gpt_preset]
+    steps = args.gpt_steps
+    threads = max(1, cpu_count() // n)
     ours = [
         sys.executable,
         "gpt2_ddp.py",
@@ -252,7 +264,7 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         "--batch-size",
         8,
         "--max-steps",
-        s,
+        steps,
         "--log-every",
         5,
         "--epochs",
@@ -262,17 +274,12 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         "--checkpoint-dir",
         os.path.join(args.work, "ck5"),
     ]
-    launch = (
-        [sys.executable]
-        if n == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={n}",
-        ]
-    )
+    # nanoGPT runs DDP under torchrun only.
+    if n == 1:
+        launch = [sys.executable]
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launch.append(f"--nproc_per_node={n}")
     theirs = launch + [
         "train_cpu.py",
         "--dataset=ddpcourse",
@@ -287,8 +294,8 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         "--weight_decay=0.1",
         "--beta2=0.95",
         "--grad_clip=1.0",
-        f"--max_iters={s}",
-        f"--lr_decay_iters={s}",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
         "--warmup_iters=10",
         "--eval_interval=1000000",
         "--eval_iters=1",
@@ -321,7 +328,7 @@ def gpt_pair(args, n, text, nanogpt, cuda):
 
 
 def cifar_pair(args, cuda):
-    """One run of each: lesson 2's default job and the same job in Lightning, 2 ranks x 32 by default."""
+    """One run of each: lesson 2's default job and the same job in Lightning (2 ranks x 32)."""
     n, s = args.cifar_procs, args.cifar_steps
     common = ["--batch-size", 32, "--max-steps", s]
     ours = [
@@ -363,7 +370,8 @@ def cifar_pair(args, cuda):
 
 
 def ddp1(args):
-    """Lesson 2's ResNet-18 step (batch 32), bare and in DDP at world size 1, alternating; p50 ms each."""
+    """Lesson 2's ResNet-18 step (batch 32), bare and in DDP at world size 1, alternating: p50 ms
+    of each."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -434,10 +442,10 @@ def main():
             print(f"gpt2_ddp.py vs nanoGPT, {n} process(es):", flush=True)
             ours, theirs = alternate(gpt_pair(args, n, text, nanogpt, cuda), args.pairs)
             rows.append((f"GPT-2 {args.gpt_preset}, {n} proc", "nanoGPT", "tokens/s", ours, theirs))
-            if (m := mfu(statistics.median(ours), n, args.gpt_preset)) is not None:
-                print(
-                    f"mfu: ours {m:.1%} | nanoGPT {mfu(statistics.median(theirs), n, args.gpt_preset):.1%}"
-                )
+            ours_mfu = mfu(statistics.median(ours), n, args.gpt_preset)
+            if ours_mfu is not None:
+                theirs_mfu = mfu(statistics.median(theirs), n, args.gpt_preset)
+                print(f"mfu: ours {ours_mfu:.1%} | nanoGPT {theirs_mfu:.1%}")
     if args.only in (None, "cifar"):
         try:
             import lightning  # noqa: F401
@@ -451,18 +459,21 @@ def main():
         )
     print(f"\nmachine: {machine()}")
     print(
-        f"{'job':<24}{'ours':>10}{'theirs':>10}  {'unit':<10}{'ours/theirs':>12}  {'per pair':<20}  vs"
+        f"{'job':<24}{'ours':>10}{'theirs':>10}  {'unit':<10}{'ours/theirs':>12}  "
+        f"{'per pair':<20}  vs"
     )
     for job, other, unit, ours, theirs in rows:
-        ratios = " ".join(f"{o / t:.2f}" for o, t in zip(ours, theirs))
+        ratios = " ".join(f"{o / t:.2f}" for o, t in zip(ours, theirs, strict=True))
         print(
-            f"{job:<24}{statistics.median(ours):>10.0f}{statistics.median(theirs):>10.0f}  {unit:<10}"
+            f"{job:<24}{statistics.median(ours):>10.0f}{statistics.median(theirs):>10.0f}  "
+            f"{unit:<10}"
             f"{statistics.median(ours) / statistics.median(theirs):>11.2f}x  {ratios:<20}  {other}"
         )
     if args.only in (None, "ddp1"):
         bare_ms, ddp_ms = ddp1(args)
         print(
-            f"DDP at world size 1, lesson 2's ResNet-18 step: bare {bare_ms:.1f} ms | DDP {ddp_ms:.1f} ms | "
+            f"DDP at world size 1, lesson 2's ResNet-18 step: bare {bare_ms:.1f} ms | "
+            f"DDP {ddp_ms:.1f} ms | "
             f"overhead {100 * (ddp_ms / bare_ms - 1):+.1f}%"
         )
 

@@ -1,6 +1,6 @@
-"""Speed work must not change the maths: lesson 5's chunked loss is F.cross_entropy, value and gradients;
-bench/compare.py measures what it says (parsers, MFU count, errors) and, where Lightning and a nanoGPT
-checkout are present, runs end to end."""
+"""Speed work must not change the maths: lesson 5's chunked loss (gpt2_model.LMHeadLoss) is
+F.cross_entropy, value and gradients; bench/compare.py measures what it says (parsers, MFU count,
+errors) and, where Lightning and a nanoGPT checkout are present, runs end to end."""
 
 import importlib.util
 import os
@@ -14,7 +14,7 @@ from conftest import ROOT, assert_clean_failure, assert_ok, run_python
 sys.path.insert(0, str(ROOT / "bench"))
 import compare  # noqa: E402
 
-import gpt2_ddp  # noqa: E402
+import gpt2_model  # noqa: E402
 
 
 def reference_loss(x, w, targets, vocab):
@@ -24,57 +24,61 @@ def reference_loss(x, w, targets, vocab):
     return F.cross_entropy(logits, targets)
 
 
-@pytest.mark.parametrize(
-    "rows,chunk", [(300, 2**22), (64, 2**22), (7, 64 * 5)]
-)  # 4 chunks; 1; 5 rows + 2
+# 300 rows: 4 chunks; 64 rows: 1 chunk; 7 rows of a 64-token vocabulary: chunks of 5 rows, then 2.
+@pytest.mark.parametrize("rows,chunk", [(300, 2**22), (64, 2**22), (7, 64 * 5)])
 def test_chunked_loss_is_cross_entropy_with_the_same_gradients(rows, chunk, monkeypatch):
-    monkeypatch.setitem(gpt2_ddp.LOSS_CHUNK, "cpu", chunk)
+    monkeypatch.setitem(gpt2_model.LOSS_CHUNK, "cpu", chunk)
     vocab, padded = 50257, 50304
-    if chunk < 2**22:  # a small vocabulary: 320 logits per chunk = 5 rows
+    if chunk < 2**22:
+        # A small vocabulary: 320 logits per chunk = 5 rows.
         vocab, padded = 60, 64
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 32, generator=g, dtype=torch.float64).float().requires_grad_()
     w = (0.3 * torch.randn(padded, 32, generator=g)).requires_grad_()
     t = torch.randint(0, vocab, (rows,), generator=g)
     ref = reference_loss(x, w, t, vocab)
-    ours = gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, True)
+    ours = gpt2_model.LMHeadLoss.apply(x, w, t, vocab, True)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(3 * ours, [x, w]), torch.autograd.grad(3 * ref, [x, w])):
-        torch.testing.assert_close(
-            a, b, rtol=1e-4, atol=1e-7
-        )  # the incoming gradient (3) is applied
-    with torch.no_grad():  # evaluation: the loss only
-        torch.testing.assert_close(gpt2_ddp.LMHeadLoss.apply(x, w, t, vocab, False), ref.detach())
+    # The incoming gradient (3) is applied.
+    grads = torch.autograd.grad(3 * ours, [x, w])
+    ref_grads = torch.autograd.grad(3 * ref, [x, w])
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    # Evaluation: the loss only.
+    with torch.no_grad():
+        torch.testing.assert_close(gpt2_model.LMHeadLoss.apply(x, w, t, vocab, False), ref.detach())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunked_loss_under_autocast_matches_autograd(dtype, monkeypatch):
-    """Under autocast the products are low precision as autograd's; the 1 / tokens comes after them, in
-    fp32 (the loss is scaled as a GradScaler would: unscaled fp16 gradients of a mean underflow)."""
-    monkeypatch.setitem(gpt2_ddp.LOSS_CHUNK, "cpu", 2**20)  # 21 rows of the padded GPT-2 vocabulary
+    """Under autocast the products are low precision as autograd's; the 1 / tokens comes after
+    them, in fp32 (the loss is scaled as a GradScaler would: unscaled fp16 gradients of a mean
+    underflow)."""
+    # 21 rows of the padded GPT-2 vocabulary per chunk.
+    monkeypatch.setitem(gpt2_model.LOSS_CHUNK, "cpu", 2**20)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 64, generator=g).requires_grad_()
     w = (0.02 * torch.randn(50304, 64, generator=g)).requires_grad_()
     t = torch.randint(0, 50257, (256,), generator=g)
     with torch.autocast("cpu", dtype=dtype):
-        ref, ours = reference_loss(x, w, t, 50257), gpt2_ddp.LMHeadLoss.apply(x, w, t, 50257, True)
+        ref = reference_loss(x, w, t, 50257)
+        ours = gpt2_model.LMHeadLoss.apply(x, w, t, 50257, True)
     torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
-    scale, others = 2.0**16, torch.ones(50304, dtype=torch.bool).index_fill_(0, t, False)
-    (dx, dw), (rx, rw) = (torch.autograd.grad(loss * scale, [x, w]) for loss in (ours, ref))
-    for a, b in (
-        (dx, rx),
-        (dw, rw),
-        (dw[others], rw[others]),
-    ):  # others: the softmax part alone, small
+    scale = 2.0**16
+    dx, dw = torch.autograd.grad(ours * scale, [x, w])
+    rx, rw = torch.autograd.grad(ref * scale, [x, w])
+    # others: the rows of tokens that are no target, where the gradient is the softmax alone, small.
+    others = torch.ones(50304, dtype=torch.bool).index_fill_(0, t, False)
+    for a, b in ((dx, rx), (dw, rw), (dw[others], rw[others])):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
 def test_model_loss_and_every_gradient_match_full_logits():
     """Through the whole GPT: the loss and the gradient of every parameter (the tied embedding gets
     both its uses) as with the full (batch, time, vocab) logits."""
-    cfg = gpt2_ddp.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100)
+    cfg = gpt2_model.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100)
     torch.manual_seed(0)
-    model = gpt2_ddp.GPT(cfg)
+    model = gpt2_model.GPT(cfg)
     idx, targets = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
     x = model.wte(idx) + model.wpe(torch.arange(16))
     for block in model.h:
@@ -84,25 +88,24 @@ def test_model_loss_and_every_gradient_match_full_logits():
     ref_grads = torch.autograd.grad(ref, params)
     loss = model(idx, targets)
     torch.testing.assert_close(loss, ref)
-    for p, a, b in zip(params, torch.autograd.grad(loss, params), ref_grads):
+    for a, b in zip(torch.autograd.grad(loss, params), ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_last_position_logits_cover_the_real_tokens_only():
-    cfg = gpt2_ddp.GPTConfig(
-        n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100
-    )  # padded to 128
-    model = gpt2_ddp.GPT(cfg)
+    # 100 tokens: the embedding is padded to 128 rows.
+    cfg = gpt2_model.GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=100)
+    model = gpt2_model.GPT(cfg)
     with torch.no_grad():
-        model.wte.weight[100:] = 100.0  # padding rows would win if they were logits
+        # Padding rows would win if they were logits.
+        model.wte.weight[100:] = 100.0
         logits = model(torch.randint(0, 100, (2, 8)))
     assert logits.shape == (2, 100)
 
 
 def test_flops_per_token_is_nanogpts_count():
-    n = (
-        12 * (12 * 768**2 + 13 * 768) + 50304 * 768 + 2 * 768
-    )  # blocks, tied wte (padded), ln_f; no wpe
+    # 12 blocks, the tied wte (padded), ln_f; no wpe.
+    n = 12 * (12 * 768**2 + 13 * 768) + 50304 * 768 + 2 * 768
     assert compare.flops_per_token("124m") == 6 * n + 12 * 12 * 768 * 1024
 
 
@@ -116,9 +119,8 @@ def test_interval_rate_is_the_harmonic_mean_after_warmup():
             "epoch 1 | step 15/20 | val_loss 7.5",
         ]
     )
-    assert compare.interval_rate(out, "tokens/s", warmup=5) == pytest.approx(
-        1500
-    )  # 2 / (1/1000 + 1/3000)
+    # 2 / (1/1000 + 1/3000)
+    assert compare.interval_rate(out, "tokens/s", warmup=5) == pytest.approx(1500)
 
 
 def test_bad_nanogpt_dir_is_one_error_line(tmp_path):

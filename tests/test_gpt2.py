@@ -30,7 +30,9 @@ from conftest import (
 
 import ddp_common
 import gpt2_ddp
+import gpt2_model
 
+# Any download fails at once, online or not.
 DEAD_PROXY = {
     "https_proxy": "http://127.0.0.1:9",
     "http_proxy": "http://127.0.0.1:9",
@@ -38,13 +40,13 @@ DEAD_PROXY = {
     "HTTP_PROXY": "http://127.0.0.1:9",
     "no_proxy": "",
     "NO_PROXY": "",
-}  # any download fails at once, online or not
+}
 TIMEOUT = 240
-# tiktoken's cache names for the two GPT-2 files: sha1 of their download URLs.
+# tiktoken's cache names for the two GPT-2 files (vocab.bpe, encoder.json): sha1 of their URLs.
 GPT2_CACHE_FILES = (
-    "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",  # vocab.bpe
+    "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
     "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6",
-)  # encoder.json
+)
 
 
 def write_story(path, n_lines=600, seed=0):
@@ -88,15 +90,17 @@ def tiny_bpe_encoding(n_vocab=None):
 def fake_get_encoding(name):
     return tiny_bpe_encoding() if name == "gpt2" else _get_encoding(name)
 """
-exec(TINY_BPE)
+_tiny_bpe = {}
+exec(TINY_BPE, _tiny_bpe)
+tiny_bpe_encoding = _tiny_bpe["tiny_bpe_encoding"]
 
 
 def val_loss_of(state, cfg, val_tokens, max_length):
     """Reference: the mean loss over every validation window, in one process, no DDP."""
-    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**cfg))
+    model = gpt2_model.GPT(gpt2_model.GPTConfig(**cfg))
     model.load_state_dict(state)
     model.eval()
-    ds = gpt2_ddp.TokenWindows(val_tokens, max_length, max_length)
+    ds = gpt2_model.TokenWindows(val_tokens, max_length, max_length)
     with torch.no_grad():
         losses = [model(x[None], y[None]).double() for x, y in ds]
     return torch.stack(losses).mean().item()  # every window has max_length tokens
@@ -110,7 +114,7 @@ def val_loss_of(state, cfg, val_tokens, max_length):
 )
 def test_windows_shift_by_one_respect_stride_and_stay_inside(n, max_length, stride):
     tokens = torch.arange(100, 100 + n)
-    ds = gpt2_ddp.TokenWindows(tokens, max_length, stride)
+    ds = gpt2_model.TokenWindows(tokens, max_length, stride)
     expected, s = [], 0
     while s + max_length + 1 <= n:  # a window needs max_length + 1 tokens
         expected.append(s)
@@ -125,8 +129,8 @@ def test_windows_shift_by_one_respect_stride_and_stay_inside(n, max_length, stri
 
 
 def test_shards_are_disjoint_complete_and_reshuffled_every_epoch():
-    train_set = gpt2_ddp.TokenWindows(torch.arange(1000), 16, 7)  # 141 windows
-    val_set = gpt2_ddp.TokenWindows(torch.arange(500), 16, 16)  # 31 windows
+    train_set = gpt2_model.TokenWindows(torch.arange(1000), 16, 7)  # 141 windows
+    val_set = gpt2_model.TokenWindows(torch.arange(500), 16, 16)  # 31 windows
     n_train, n_val = len(train_set), len(val_set)
     for world in (2, 3, 4):
         loaders = [
@@ -141,8 +145,8 @@ def test_shards_are_disjoint_complete_and_reshuffled_every_epoch():
         orders = {}
         for epoch in (0, 1):
             shards = []
-            for r, (loader, sampler, _) in enumerate(loaders):
-                stream = gpt2_ddp.batches(loader, sampler, epoch=epoch)
+            for loader, sampler, _ in loaders:
+                stream = gpt2_ddp.batches(loader, sampler, len(loader), epoch=epoch)
                 first = [next(stream) for _ in range(len(loader))]  # one epoch of this rank
                 assert {e for e, _, _ in first} == {epoch}
                 ids = [int(i) for _, x, _ in first for i in x[:, 0]]  # arange: token = position
@@ -163,9 +167,9 @@ def test_shards_are_disjoint_complete_and_reshuffled_every_epoch():
 
 
 def test_model_is_causal_tied_and_has_no_buffers():
-    cfg = gpt2_ddp.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    cfg = gpt2_model.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     torch.manual_seed(0)
-    model = gpt2_ddp.GPT(cfg).eval()
+    model = gpt2_model.GPT(cfg).eval()
     assert model.lm_head.weight is model.wte.weight
     assert list(model.buffers()) == []  # DDP would broadcast a mask buffer
     x = torch.randint(0, 64, (1, 16))
@@ -188,7 +192,7 @@ def _hidden(model, idx):
 def test_bytes_tokenizer_needs_no_download_and_round_trips(tmp_path, monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: pytest.fail("no download"))
     text = "Café <|endoftext|> naïve\n"
-    enc = gpt2_ddp.load_tokenizer("bytes")
+    enc = gpt2_model.load_tokenizer("bytes")
     ids = enc.encode_ordinary(text)
     assert ids == list(text.encode("utf-8")) and enc.n_vocab == 257
     assert enc.decode(ids) == text
@@ -220,19 +224,21 @@ def test_gpt2_code_path_with_a_small_custom_encoding(tmp_path, monkeypatch):
 def _padding_ids_never_win(enc, data, args):
     """The embedding is padded past the vocabulary; those ids must never be predicted."""
     n_vocab = data["config"]["vocab_size"]
-    cfg = gpt2_ddp.GPTConfig(2, 2, 32, 64, vocab_size=n_vocab)  # the embedding is padded
-    model = gpt2_ddp.GPT(cfg)
+    # The embedding is padded.
+    cfg = gpt2_model.GPTConfig(2, 2, 32, 64, vocab_size=n_vocab)
+    model = gpt2_model.GPT(cfg)
     idx = torch.tensor([enc.encode_ordinary("The cat sat")])
     with torch.no_grad():
-        model.wte.weight[n_vocab:] = 100.0  # padding rows would win if allowed
-        logits, loss = model(idx), model(idx[:, :-1], idx[:, 1:])
-        real = model.lm_head(model.ln_f(_hidden(model, idx[:, :-1])))[
-            0, :, :n_vocab
-        ]  # padding left out
-    assert logits.shape[-1] == n_vocab  # the last position: real tokens only
-    torch.testing.assert_close(
-        loss, torch.nn.functional.cross_entropy(real, idx[0, 1:])
-    )  # the loss masks them
+        # Padding rows would win if allowed.
+        model.wte.weight[n_vocab:] = 100.0
+        logits = model(idx)
+        loss = model(idx[:, :-1], idx[:, 1:])
+        # The logits of the real tokens, the padding left out.
+        real = model.lm_head(model.ln_f(_hidden(model, idx[:, :-1])))[0, :, :n_vocab]
+    # The last position: real tokens only.
+    assert logits.shape[-1] == n_vocab
+    # The loss masks them.
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(real, idx[0, 1:]))
 
 
 def gpt2_cache_or_reason(tmp_dir):
@@ -270,7 +276,7 @@ def test_gpt2_real_bpe_files_from_the_cache(tmp_path, monkeypatch):
     import requests
 
     monkeypatch.setattr(requests, "get", lambda *a, **k: pytest.fail("network used"))
-    enc = gpt2_ddp.load_tokenizer("gpt2")
+    enc = gpt2_model.load_tokenizer("gpt2")
     assert enc.n_vocab == 50257
     assert enc.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's ids
     story = write_story(tmp_path / "s.txt", 200)
@@ -311,11 +317,11 @@ def our_logits(model, tokens, n_vocab):
 
 def test_init_from_a_transformers_dir_gives_its_logits(tmp_path):
     hf = hf_gpt2(tmp_path / "hf")
-    path, cfg = gpt2_ddp.pretrained(str(tmp_path / "hf"))
+    path, cfg = gpt2_model.pretrained(str(tmp_path / "hf"))
     assert path == str(tmp_path / "hf" / "model.safetensors")
-    assert cfg == gpt2_ddp.GPTConfig(2, 2, 32, 64, 50257)  # from the shapes; n_head: config.json
-    model = gpt2_ddp.GPT(cfg)
-    gpt2_ddp.load_hf_weights(model, path)
+    assert cfg == gpt2_model.GPTConfig(2, 2, 32, 64, 50257)  # from the shapes; n_head: config.json
+    model = gpt2_model.GPT(cfg)
+    gpt2_model.load_hf_weights(model, path)
     assert model.lm_head.weight is model.wte.weight and model.wte.weight.shape[0] == 50304
     tokens = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -351,7 +357,7 @@ def _fine_tune_rank(rank, world_size, port, argv, out_dir):
             os.path.join(out_dir, f"{name}{rank}.pt"),
         )
         if rank == 0 and name == "straight":
-            gpt2_ddp.export_hf(model, os.path.join(out_dir, "export"))
+            gpt2_model.export_hf(model, os.path.join(out_dir, "export"))
         del model
     ddp_common.cleanup()
 
@@ -414,7 +420,7 @@ def test_two_ranks_fine_tune_identically_with_exact_val_loss_and_export_to_trans
         val_loss_of(ck["model"], ck["config"], data["val"], 32), rel=1e-5
     )
     # the export opens in transformers with the fine-tuned weights: the same logits, 50,257 of them
-    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ck["config"]))
+    model = gpt2_model.GPT(gpt2_model.GPTConfig(**ck["config"]))
     model.load_state_dict(ck["model"])
     tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(
@@ -425,15 +431,9 @@ def test_two_ranks_fine_tune_identically_with_exact_val_loss_and_export_to_trans
 @pytest.mark.slow
 def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
     out, data = fine_tuned
-    loader = gpt2_ddp.build_loaders(
-        gpt2_ddp.TokenWindows(data["train"], 32, 32),
-        gpt2_ddp.TokenWindows(data["val"], 32, 32),
-        0,
-        2,
-        4,
-        0,
-    )[0]
-    epoch, skip = divmod(3 * 2, len(loader))
+    global_batch = data["global_batch"]
+    steps_per_epoch = len(gpt2_model.TokenWindows(data["train"], 32)) // global_batch
+    epoch, skip = gpt2_ddp.start_position(3, steps_per_epoch, global_batch, 2 * 4)
     assert epoch >= 1 and skip > 0  # it resumes inside a later epoch
     for rank in (0, 1):
         straight, resumed = (
@@ -445,9 +445,143 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
             )
         assert straight["val_losses"] == resumed["val_losses"] and len(resumed["val_losses"]) == 3
     half = torch.load(out / "half0.pt", weights_only=True)
-    assert not torch.equal(
-        half["model"]["wte.weight"], straight["model"]["wte.weight"]
-    )  # it did train on
+    # It did train on.
+    assert not torch.equal(half["model"]["wte.weight"], straight["model"]["wte.weight"])
+
+
+# ----------------------------------------------------------------------------- global batch
+
+
+def test_a_step_takes_the_same_windows_on_any_world_size_and_a_resume_skips_none():
+    """DistributedSampler deals one shuffled order out rank by rank, so with the global batch G
+    fixed, step s takes windows s*G .. (s+1)*G - 1 of the epoch's order on 1, 2 or 4 ranks, and a
+    run stopped on 1 rank and resumed on 2 (start_position) sees each window of the epoch once."""
+    train_set = gpt2_model.TokenWindows(torch.arange(1000), 8)  # 124 windows: window i starts at 8i
+    val_set = gpt2_model.TokenWindows(torch.arange(100), 8)
+    G = 8
+    steps_per_epoch = len(train_set) // G  # 15: 4 windows of each epoch are left out
+
+    def global_batches(world, batch, first=0, stop=steps_per_epoch, epoch=1):
+        """The windows of steps first..stop-1 of `epoch`: one sorted list per step."""
+        accum = G // (world * batch)
+        step = epoch * steps_per_epoch + first
+        assert gpt2_ddp.start_position(step, steps_per_epoch, G, world * batch)[0] == epoch
+        skip = gpt2_ddp.start_position(step, steps_per_epoch, G, world * batch)[1]
+        micro = []  # micro[rank][i]: the window ids of that rank's micro-batch i
+        for rank in range(world):
+            loader, sampler, _ = gpt2_ddp.build_loaders(train_set, val_set, rank, world, batch, 0)
+            stream = gpt2_ddp.batches(loader, sampler, steps_per_epoch * accum, epoch, skip)
+            taken = [next(stream) for _ in range((stop - first) * accum)]
+            assert {e for e, _, _ in taken} == {epoch}
+            micro.append([(x[:, 0] // 8).tolist() for _, x, _ in taken])
+        return [
+            sorted(i for ranks in micro for ids in ranks[s * accum : (s + 1) * accum] for i in ids)
+            for s in range(stop - first)
+        ]
+
+    sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
+    sampler.set_epoch(1)
+    order = list(sampler)
+    expected = [sorted(order[s * G : (s + 1) * G]) for s in range(steps_per_epoch)]
+    for world, batch in ((1, 8), (1, 2), (2, 4), (2, 1), (4, 2)):
+        assert global_batches(world, batch) == expected, (world, batch)
+    stopped_and_resumed = global_batches(1, 2, stop=6) + global_batches(2, 4, first=6)
+    assert stopped_and_resumed == expected
+    seen = [i for step in stopped_and_resumed for i in step]
+    assert len(seen) == len(set(seen)) == steps_per_epoch * G  # none twice, none skipped
+
+
+# Lesson 5's tiny model on bytes; a global batch of 8 windows of 32 tokens.
+SMALL = ["--tokenizer", "bytes", "--max-length", "32", "--batch-size", "4", "--lr", "3e-3"]
+SMALL += ["--warmup-steps", "2", "--save-every", "2", "--log-every", "5"]
+
+
+def _train_runs(rank, world_size, port, argv, runs, out_dir):
+    """A spawned rank runs the lesson's train() once for each {name: extra flags} of `runs`, in
+    one group; rank 0 saves each run's final weights and validation losses as out_dir/name.pt."""
+    ddp = init_spawned(rank, world_size, port)
+    for name, extra in runs.items():
+        args = gpt2_ddp.parse_args(argv + extra)
+        model, res = gpt2_ddp.train(args, ddp, gpt2_ddp.prepare(args, world_size))
+        if rank == 0:
+            state = {"model": model.state_dict(), "val_losses": res["val_losses"]}
+            torch.save(state, os.path.join(out_dir, f"{name}.pt"))
+        del model
+    ddp_common.cleanup()
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """1 rank x batch 4 x 2 accumulation steps: 5 steps straight, and a run stopped after 2."""
+    out = tmp_path_factory.mktemp("one_rank")
+    story = write_story(out / "s.txt", 40)  # 31 windows: 3 steps of 8 an epoch
+    argv = ["--text", str(story), *SMALL, "--accum-steps", "2"]
+    runs = {
+        "straight": ["--max-steps", "5", "--checkpoint-dir", str(out / "ck")],
+        "half": ["--max-steps", "2", "--checkpoint-dir", str(out / "ck_half")],
+    }
+    spawn(_train_runs, 1, argv, runs, str(out))
+    return out, story
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_global_batch_or_length_is_refused_in_one_line(one_rank, capsys):
+    """Saved by 1 rank x 4 x 2 accumulation (8 windows a step); 2 ranks x 4 x 2 would take 16."""
+    out, story = one_rank
+    ck = out / "ck_half" / "gpt2.pt"
+    result = run_python(
+        "gpt2_ddp.py",
+        "--nproc",
+        "2",
+        "--text",
+        story,
+        *SMALL,
+        "--accum-steps",
+        "2",
+        "--max-steps",
+        "5",
+        "--resume",
+        ck,
+        "--checkpoint-dir",
+        out / "ck_refused",
+        timeout=TIMEOUT,
+    )
+    errs = assert_clean_failure(result, code=2)
+    assert len(errs) == 1 and "--global-batch-size 8 --max-length 32" in errs[0], errs
+    assert not (out / "ck_refused").exists()
+    # Another window length: refused too (here in this process: prepare is what refuses).
+    argv = ["--text", str(story), *SMALL, "--max-length", "16", "--resume", str(ck)]
+    with pytest.raises(SystemExit) as stop:
+        gpt2_ddp.prepare(gpt2_ddp.parse_args(argv), 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "--max-length 32" in err[0], err
+
+
+@pytest.mark.slow
+def test_a_run_stopped_on_1_rank_and_resumed_on_2_ends_as_the_uninterrupted_run(one_rank, tmp_path):
+    """--global-batch-size 8 on 2 ranks x 4: no accumulation. The resume starts inside epoch 1
+    and crosses into epoch 2; the result equals the 1-rank run to float rounding."""
+    out, story = one_rank
+    argv = ["--text", str(story), *SMALL, "--global-batch-size", "8"]
+    data = gpt2_ddp.prepare(gpt2_ddp.parse_args(argv), 2)
+    steps_per_epoch = len(gpt2_model.TokenWindows(data["train"], 32)) // 8
+    assert 2 < steps_per_epoch < 5 and data["accum_steps"] == 1
+    resume = ["--max-steps", "5", "--resume", str(out / "ck_half" / "gpt2.pt")]
+    runs = {"resumed": [*resume, "--checkpoint-dir", str(tmp_path / "ck")]}
+    spawn(_train_runs, 2, argv, runs, str(tmp_path))
+    straight = torch.load(out / "straight.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for k, v in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+    assert [s for s, _ in resumed["val_losses"]] == [s for s, _ in straight["val_losses"]]
+    for (_, a), (_, b) in zip(resumed["val_losses"], straight["val_losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+    half = torch.load(out / "ck_half" / "gpt2.pt", weights_only=True)
+    end = torch.load(tmp_path / "ck" / "gpt2.pt", weights_only=True)
+    saved = ("step", "world_size", "batch_size", "accum_steps", "global_batch", "max_length")
+    assert [half[k] for k in saved] == [2, 1, 4, 2, 8, 32]
+    assert [end[k] for k in saved] == [5, 2, 4, 1, 8, 32]
+    assert not torch.equal(half["model"]["wte.weight"], end["model"]["wte.weight"])
 
 
 def fake_group(world_size):
@@ -459,7 +593,7 @@ def fake_group(world_size):
 
 
 def keep_bucket(_, bucket):
-    """A DDP comm hook for the fake group: the bucket, unchanged (its all-reduce returns nothing)."""
+    """A DDP comm hook for the fake group: the bucket, unchanged (its all-reduce does nothing)."""
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -473,22 +607,22 @@ TINY = {
 
 
 def test_gradients_stay_in_ddp_buckets_and_one_process_is_not_wrapped():
-    """2 ranks: gradient_as_bucket_view + zero_grad(set_to_none=False): every step writes the gradients
-    into the same bucket memory (set_to_none=True would drop the views and reallocate every step).
-    1 process: no DDP wrapper (nothing to all-reduce), gradients set to None, accumulation still works."""
+    """2 ranks: gradient_as_bucket_view + zero_grad(set_to_none=False): every step writes the
+    gradients into the same bucket memory (set_to_none=True would drop the views and reallocate
+    every step). 1 process: no DDP wrapper (nothing to all-reduce), gradients set to None,
+    accumulation still works."""
     for world_size in (2, 1):
         ddp = fake_group(world_size)
         try:
             args = gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", "unused"])
             model, ddp_model, optimizer, scaler, _, _ = gpt2_ddp.build(args, ddp, TINY)
-            assert isinstance(ddp_model, gpt2_ddp.DDP) == (world_size > 1) and (
-                ddp_model is model
-            ) == (world_size == 1)
-            if (
-                world_size > 1
-            ):  # the fake group's all-reduce returns nothing: a hook that keeps the bucket
+            assert isinstance(ddp_model, gpt2_ddp.DDP) == (world_size > 1)
+            assert (ddp_model is model) == (world_size == 1)
+            if world_size > 1:
+                # The fake group's all-reduce returns nothing: a hook that keeps the bucket.
                 ddp_model.register_comm_hook(None, keep_bucket)
-            x, pointers = torch.randint(0, 64, (2, 8)), []
+            x = torch.randint(0, 64, (2, 8))
+            pointers = []
             for _ in range(4):
                 before = [p.detach().clone() for p in model.parameters()]
                 gpt2_ddp.train_step(
@@ -499,31 +633,30 @@ def test_gradients_stay_in_ddp_buckets_and_one_process_is_not_wrapped():
                     1.0,
                     torch.autocast("cpu", enabled=False),
                 )
-                assert all(
-                    not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.dim() > 1
-                )  # it trained
+                # It trained.
+                after = list(model.parameters())
+                for b, p in zip(before, after, strict=True):
+                    assert p.dim() < 2 or not torch.equal(b, p)
                 if world_size == 1:
-                    assert all(
-                        p.grad is None for p in model.parameters()
-                    )  # set to None: no zeroing, no adding
+                    # Set to None: no zeroing, no adding.
+                    assert all(p.grad is None for p in model.parameters())
                     continue
-                assert all(p.grad is not None for p in model.parameters())  # not set to None
+                # Not set to None.
+                assert all(p.grad is not None for p in model.parameters())
                 pointers.append([p.grad.data_ptr() for p in model.parameters()])
             if world_size > 1:
-                assert (
-                    pointers[1] == pointers[2] == pointers[3]
-                )  # (DDP rebuilds its buckets after step 1)
+                # The same memory every step (DDP rebuilds its buckets after step 1).
+                assert pointers[1] == pointers[2] == pointers[3]
+                # Views into shared bucket storage.
                 storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-                assert len(storages) < len(
-                    list(model.parameters())
-                )  # views into shared bucket storage
+                assert len(storages) < len(list(model.parameters()))
         finally:
             dist.destroy_process_group()
 
 
 def test_compile_wraps_the_ddp_model(monkeypatch):
-    """--compile compiles the DDP wrapper (not the bare model), so Dynamo sees the buckets; one process
-    compiles its bare model. No real compile: it is slow on CPU."""
+    """--compile compiles the DDP wrapper (not the bare model), so Dynamo sees the buckets; one
+    process compiles its bare model. No real compile: it is slow on CPU."""
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda m: compiled.append(m) or m)
     for world_size in (2, 1):
@@ -555,7 +688,7 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
         "--max-length",
         "64",
         "--max-steps",
-        "30",
+        "20",
         "--lr",
         "3e-3",
         "--log-every",
@@ -570,10 +703,10 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
     assert_ok(result)
     assert result.stderr.strip() == "", result.stderr[-2000:]
     done = done_fields(result)
-    assert done["world"] == "2" and done["steps"] == "30" and done["tokenizer"] == "bytes"
+    assert done["world"] == "2" and done["steps"] == "20" and done["tokenizer"] == "bytes"
     ckpt = torch.load(ck / "gpt2.pt", weights_only=True)
     losses = [v for _, v in ckpt["val_losses"]]
-    assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 30
+    assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 20
     assert losses[-1] < 0.6 * losses[0], losses  # validation loss went down
     assert float(done["val_loss"]) == pytest.approx(losses[-1], abs=1e-4)
     data = gpt2_ddp.prepare(
@@ -581,7 +714,7 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
     )
     ref = val_loss_of(ckpt["model"], ckpt["config"], data["val"], 64)
     assert losses[-1] == pytest.approx(ref, rel=1e-5)  # exact over both ranks' shards
-    model = gpt2_ddp.GPT(gpt2_ddp.GPTConfig(**ckpt["config"]))  # --export-hf: the final weights
+    model = gpt2_model.GPT(gpt2_model.GPTConfig(**ckpt["config"]))  # --export-hf: the final weights
     model.load_state_dict(ckpt["model"])
     tokens = data["val"][:64][None]
     torch.testing.assert_close(
@@ -648,23 +781,36 @@ def test_init_from_gpt2_offline_without_a_cache_is_one_line(tmp_path):
     )
 
 
-def test_user_mistakes_are_one_line_exit_2(tmp_path):
-    result = run_python(
-        "gpt2_ddp.py", "--text", tmp_path / "nope.txt", "--tokenizer", "bytes", timeout=TIMEOUT
-    )
-    assert len(assert_clean_failure(result, code=2)) == 1
+def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys):
+    """One real launch (the mp.spawn parent stops before any worker starts), then the same path
+    in this process for each other mistake: parse_args and prepare exit 2 with one line."""
     short = write_story(tmp_path / "short.txt", 3)
     result = run_python(
         "gpt2_ddp.py", "--nproc", "2", "--text", short, "--tokenizer", "bytes", timeout=TIMEOUT
     )
-    assert len(assert_clean_failure(result, code=2)) == 1 and "Traceback" not in result.stderr
-    hf_gpt2(tmp_path / "hf")  # GPT-2's 50,257 ids, not 257 bytes
-    for bad in (
-        ["--init-from", tmp_path / "no-such-dir"],
-        ["--init-from", tmp_path / "hf", "--tokenizer", "bytes"],
-    ):
-        result = run_python("gpt2_ddp.py", "--text", short, *bad, timeout=TIMEOUT)
-        assert len(assert_clean_failure(result, code=2)) == 1 and "--init-from" in result.stderr
+    errs = assert_clean_failure(result, code=2)
+    assert len(errs) == 1 and "too few" in errs[0] and "Traceback" not in result.stderr
+    # GPT-2's 50,257 ids, not 257 bytes.
+    hf_gpt2(tmp_path / "hf")
+    story = write_story(tmp_path / "s.txt", 40)
+    # hf_gpt2's progress bar, on stderr.
+    capsys.readouterr()
+    cases = [
+        (["--text", str(tmp_path / "nope.txt")], 1, "is not a file"),
+        (["--init-from", str(tmp_path / "no-such-dir")], 1, "--init-from"),
+        (["--init-from", str(tmp_path / "hf")], 1, "--init-from has 50257 tokens"),
+        (["--batch-size", "0"], 1, "--batch-size must be at least 1"),
+        (["--max-length", "512"], 1, "exceeds the model's context"),
+        (["--global-batch-size", "12"], 2, "not a multiple of 2 ranks x --batch-size 4"),
+        (["--global-batch-size", "16", "--accum-steps", "2"], 2, "give one of the two"),
+        (["--global-batch-size", "4096"], 1, "too few"),
+    ]
+    for argv, world_size, words in cases:
+        with pytest.raises(SystemExit) as stop:
+            args = gpt2_ddp.parse_args(["--text", str(story), *SMALL, *argv])
+            gpt2_ddp.prepare(args, world_size)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
 
 
 @pytest.mark.slow
