@@ -1,6 +1,8 @@
 """What every lesson must get right, once: join the group, device, cleanup, print, checkpoints."""
 
+import contextlib
 import datetime
+import fcntl
 import gc
 import os
 import random
@@ -174,9 +176,10 @@ def cleanup():
 
 
 def get_rank():
+    """The global rank; before the group is joined, what the launcher says (0 without one)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return 0
+    return int(os.environ.get("RANK", 0))
 
 
 def print0(*args, **kwargs):
@@ -210,6 +213,24 @@ def pick_amp(choice, device):
     if torch.cuda.is_bf16_supported(including_emulation=False):
         return "bf16"
     return "fp16"
+
+
+@contextlib.contextmanager
+def folder_lock(folder):
+    """Hold an exclusive lock on FOLDER/.lock. Why: each node's local rank 0 downloads, and nodes
+    that share a disk (a home directory on NFS) must take turns, not write the same files."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def long_barrier(seconds=3600):
+    """A barrier with a limit of its own. Why: the ranks that wait for a download or a
+    tokenizer would otherwise be ended by the collective timeout (600 s) of the default group."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
 
 
 def free_port(host="127.0.0.1"):

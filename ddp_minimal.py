@@ -36,8 +36,10 @@ def worker(rank, world_size, args):
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     if on_gpu:
-        torch.cuda.set_device(device)  # DDP: first, so NCCL binds this process to its own GPU
-    else:  # DDP: N CPU processes share the cores; N full thread pools would fight over them
+        # DDP: first, so NCCL binds this process to its own GPU.
+        torch.cuda.set_device(device)
+    else:
+        # DDP: N CPU processes share the cores; N full thread pools would fight over them.
         torch.set_num_threads(max(1, os.cpu_count() // world_size))
     # DDP: join the group: rank 0 listens at MASTER_ADDR:MASTER_PORT, the others connect there.
     dist.init_process_group(
@@ -46,29 +48,37 @@ def worker(rank, world_size, args):
         world_size=world_size,
         device_id=device if on_gpu else None,
     )
-    torch.manual_seed(args.seed)  # the same initial weights in every process
+    # The same initial weights in every process.
+    torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
-    model = DDP(model, device_ids=[rank] if on_gpu else None)  # DDP: averages grads in backward
+    # DDP: wrap the model; backward then averages the gradients of all processes.
+    model = DDP(model, device_ids=[rank] if on_gpu else None)
     dataset = make_dataset(seed=args.seed)
     # DDP: each process draws its own 1/world_size of the shuffled samples.
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    losses, t0 = [], time.perf_counter()
+    losses = []
+    t0 = time.perf_counter()
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same one in every process
-        loss_sum = torch.zeros((), device=device)  # summed on the device: no host sync per step
+        # DDP: a new shuffle each epoch, the same one in every process.
+        sampler.set_epoch(epoch)
+        # Summed on the device: no host sync per step.
+        loss_sum = torch.zeros((), device=device)
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             loss = F.mse_loss(model(x), y)
             optimizer.zero_grad()
-            loss.backward()  # DDP: the gradient all-reduce runs here, overlapped with backward
+            # DDP: the gradient all-reduce runs here, overlapped with backward.
+            loss.backward()
             optimizer.step()
             loss_sum += loss.detach() * len(x)
         total = torch.stack([loss_sum, torch.tensor(float(len(sampler)), device=device)])
-        dist.all_reduce(total)  # DDP: add up every process's sums for the epoch's mean loss
+        # DDP: add up every process's sums for the epoch's mean loss.
+        dist.all_reduce(total)
         losses.append((total[0] / total[1]).item())
-        if rank == 0:  # DDP: one process prints, not world_size copies
+        # DDP: one process prints, not world_size copies.
+        if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs} | loss {losses[-1]:.4f}", flush=True)
     if rank == 0:
         print(
@@ -77,9 +87,12 @@ def worker(rank, world_size, args):
             f"time {time.perf_counter() - t0:.1f}s",
             flush=True,
         )
-    model = model.module  # DDP: drop the wrapper before leaving (a live one can abort gloo at exit)
-    gc.collect()  # ...and free the reference cycles it leaves behind
-    dist.destroy_process_group()  # DDP: leave the group cleanly
+    # DDP: drop the wrapper and the reference cycles it leaves before leaving the group: a live
+    # one can abort a gloo process at exit.
+    model = model.module
+    gc.collect()
+    # DDP: leave the group cleanly.
+    dist.destroy_process_group()
     return model, losses
 
 
@@ -98,19 +111,22 @@ def main():
     args = p.parse_args()
     if torch.cuda.is_available() and not 1 <= args.nproc <= torch.cuda.device_count():
         p.error(f"--nproc must be 1..{torch.cuda.device_count()}: one process per GPU")
-    if min(args.nproc, args.epochs, args.batch_size) < 1:
-        p.error("--nproc, --epochs and --batch-size must be at least 1")
+    for name in ("nproc", "epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     # DDP: where rank 0 will listen: this machine, on a port that is free now.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(s.getsockname()[1])
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     print(
         f"start: world {args.nproc} | backend {'nccl' if torch.cuda.is_available() else 'gloo'} | "
         f"batch {args.batch_size}/process, "
         f"{args.batch_size * args.nproc} global | epochs {args.epochs}",
         flush=True,
     )
-    mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)  # DDP: calls worker(rank, ...)
+    # DDP: start args.nproc processes; each calls worker(rank, args.nproc, args).
+    mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)
 
 
 if __name__ == "__main__":

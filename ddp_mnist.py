@@ -18,13 +18,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, print0, save_checkpoint, set_seed, setup
+from ddp_common import (
+    cleanup,
+    fail,
+    folder_lock,
+    long_barrier,
+    print0,
+    save_checkpoint,
+    set_seed,
+    setup,
+)
 
-MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics
+# MNIST pixel statistics.
+MEAN, STD = 0.1307, 0.3081
 
 
 def parse_args(argv=None):
@@ -73,11 +84,14 @@ def parse_args(argv=None):
         "--log-every", type=int, default=100, help="steps between log lines (default 100)"
     )
     args = p.parse_args(argv)
+    # Every rank parses the flags: rank 0 alone says what is wrong.
     for name in ("epochs", "batch_size", "log_every"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_steps < 0 or args.lr <= 0:
-        p.error("--max-steps must be >= 0 and --lr > 0")
+            fail(f"--{name.replace('_', '-')} must be at least 1", rank0_only=True)
+    if args.max_steps < 0:
+        fail("--max-steps must be >= 0", rank0_only=True)
+    if args.lr <= 0:
+        fail("--lr must be > 0", rank0_only=True)
     return args
 
 
@@ -131,7 +145,8 @@ def try_mnist(data_dir, download):
     """(train, test) and no problem, or (None, one-line reason)."""
     try:
         return load_mnist(data_dir, download), ""
-    except Exception as e:  # offline, proxy, disk full, missing or torn files ...
+    except Exception as e:
+        # Offline, a proxy, a full disk, missing or torn files ...
         return None, f"{data_dir}: {' '.join(str(e).split())[:150] or type(e).__name__}"
 
 
@@ -141,13 +156,19 @@ def get_data(args, ddp):
     other ranks wait, then load from disk; the ranks share what they found and decide together."""
     if args.data == "synthetic":
         return "synthetic", *synthetic_mnist(args.seed)
-    if ddp.local_rank == 0:  # DDP: one download per node, not per job: disks may be local
-        data, problem = try_mnist(args.data_dir, download=True)
-    dist.barrier()  # DDP: the node's other ranks wait until its files are there
+    if ddp.local_rank == 0:
+        # DDP: one download per node, not per job: disks may be node-local. Nodes that share one
+        # disk take turns (a lock file), so no two write the same files.
+        print(f"data: node {ddp.node_rank} fetches MNIST into {args.data_dir}", flush=True)
+        with folder_lock(args.data_dir):
+            data, problem = try_mnist(args.data_dir, download=True)
+    # DDP: the node's other ranks wait until its files are there, longer than a collective may.
+    long_barrier()
     if ddp.local_rank != 0:
         data, problem = try_mnist(args.data_dir, download=False)
     problems = [None] * ddp.world_size
-    dist.all_gather_object(problems, problem)  # DDP: every rank learns what every other found
+    # DDP: every rank learns what every other found.
+    dist.all_gather_object(problems, problem)
     missing = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
     if not missing:
         return "mnist", *data
@@ -178,10 +199,12 @@ def evaluate(model, test_set, ddp, batch_size):
     for x, y in DataLoader(shard, batch_size=4 * batch_size):
         x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
         logits = model(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum")  # sums stay on the device
+        # Sums stay on the device.
+        loss_sum += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
     totals = torch.stack([loss_sum, correct, torch.tensor(float(len(shard)), device=ddp.device)])
-    dist.all_reduce(totals)  # DDP: sum the shards' counts
+    # DDP: sum the shards' counts.
+    dist.all_reduce(totals)
     model.train()
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count, int(correct), int(count)
@@ -192,13 +215,15 @@ def make_train_loader(train_set, ddp, batch_size, seed):
     sampler = DistributedSampler(
         train_set, num_replicas=ddp.world_size, rank=ddp.rank, shuffle=True, seed=seed
     )
+    # Pinned memory: the host->GPU copies can run asynchronously.
     return DataLoader(
         train_set, batch_size=batch_size, sampler=sampler, pin_memory=ddp.device.type == "cuda"
-    )  # pinned memory: async host->GPU copies
+    )
 
 
 def train(args, ddp):
-    set_seed(args.seed)  # same seed everywhere -> same initial weights (DDP also broadcasts them)
+    # Same seed everywhere -> same initial weights (DDP also broadcasts them)
+    set_seed(args.seed)
     dataset, train_set, test_set = get_data(args, ddp)
     loader = make_train_loader(train_set, ddp, args.batch_size, args.seed)
     sampler = loader.sampler
@@ -214,26 +239,31 @@ def train(args, ddp):
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     print0(
-        f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | world {ddp.world_size} "
-        f"| backend {ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
-        f"{args.batch_size * ddp.world_size} global | steps {total_steps}"
+        f"start: data {dataset} | train {len(train_set)} | test {len(test_set)} | "
+        f"world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
+        f"batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} global | "
+        f"steps {total_steps}"
     )
 
     step, t_start = 0, time.perf_counter()
     t_log, loss_sum = t_start, torch.zeros((), device=ddp.device)
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # DDP: without this every epoch repeats epoch 0's order
+        # DDP: without this every epoch repeats epoch 0's order.
+        sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP: the all-reduce of gradients overlaps with this backward
+            # DDP: the all-reduce of gradients overlaps with this backward.
+            loss.backward()
             optimizer.step()
-            loss_sum += loss.detach()  # stays on the device: no sync with the host per step
+            # Stays on the device: no sync with the host per step.
+            loss_sum += loss.detach()
             step += 1
             if step % args.log_every == 0 or step == total_steps:
                 n = (step - 1) % args.log_every + 1
-                now = time.perf_counter()  # .item() below waits for the GPU: once per log line
+                # .item() below waits for the GPU: once per log line.
+                now = time.perf_counter()
                 rate = n * args.batch_size * ddp.world_size / (now - t_log)
                 eta = (total_steps - step) * (now - t_start) / step
                 print0(
@@ -266,14 +296,19 @@ def train(args, ddp):
     print0(
         f"done: data {dataset} | world {ddp.world_size} | backend {ddp.backend} | "
         f"device {ddp.device.type} | steps {step} | val_loss {val_loss:.4f} | "
-        f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | time {time.perf_counter() - t_start:.1f}s"
+        f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | "
+        f"time {time.perf_counter() - t_start:.1f}s"
     )
     return model
 
 
+# @record: if this process dies of an exception, torchrun's failure summary shows its traceback
+# (otherwise it says `error_file: <N/A>`).
+@record
 def main():
     args = parse_args()
-    ddp = setup(args.backend)  # DDP: join the process group; pick this rank's device
+    # DDP: join the process group; pick this rank's device.
+    ddp = setup(args.backend)
     train(args, ddp)
     cleanup()
 

@@ -5,7 +5,9 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -230,6 +232,61 @@ def test_torchrun_shared_store_gets_one_namespace_per_attempt(monkeypatch, capsy
     assert len(warning) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning[0]
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert ddp_common.torchrun_store(2, timedelta(seconds=10)) is None
+
+
+# ---- waiting for one rank's download ----
+
+
+def _late_download(rank, world_size, port, barrier, out_dir):
+    """Rank 0 'downloads' for 4 s while rank 1 waits; the group's collectives time out at 2 s."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    # The default group's collectives time out after 2 s.
+    ddp_common.setup(backend="gloo", rank=rank, world_size=world_size, timeout_s=2)
+    torch.distributed.barrier()
+    if rank == 0:
+        time.sleep(4)
+    try:
+        if barrier == "long":
+            ddp_common.long_barrier(seconds=30)
+        else:
+            torch.distributed.barrier()
+        outcome = "passed"
+    except Exception as e:
+        outcome = type(e).__name__
+    with open(os.path.join(out_dir, f"{barrier}{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
+@pytest.mark.parametrize("barrier", ["long", "default"])
+def test_a_download_may_outlast_the_collective_timeout(tmp_path, barrier):
+    """long_barrier waits past the group's timeout; a plain barrier (the control) does not."""
+    spawn(_late_download, 2, barrier, str(tmp_path))
+    outcome = (tmp_path / f"{barrier}1.txt").read_text()
+    if barrier == "long":
+        assert outcome == "passed"
+    else:
+        assert outcome != "passed"
+
+
+def test_folder_lock_makes_nodes_on_one_disk_take_turns(tmp_path):
+    """Two processes (two nodes' local rank 0 on a shared home directory): the second waits."""
+    code = (
+        "import sys, time, ddp_common\n"
+        "with ddp_common.folder_lock(sys.argv[1]):\n"
+        "    print(time.time()); time.sleep(1.5); print(time.time())\n"
+    )
+    env = cpu_env()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "data")],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    spans = sorted(tuple(map(float, p.communicate(timeout=60)[0].split())) for p in procs)
+    assert spans[1][0] >= spans[0][1]  # the second got the lock after the first let it go
 
 
 # ---- checkpoints ----

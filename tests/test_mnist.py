@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import (
+    ROOT,
     assert_clean_failure,
     assert_ok,
     cpu_env,
     free_port,
     init_spawned,
+    run_torchrun,
     run_torchrun_nodes,
     spawn,
 )
@@ -137,11 +139,43 @@ def test_two_nodes_each_read_their_own_copy_and_count_every_test_sample_once(tmp
     assert done["val_acc"].endswith("/17)"), done
 
 
+def test_first_command_runs_on_a_machine_with_one_gpu(tmp_path):
+    """The README's first command (2 processes) on a laptop with one GPU, faked: torch tells the
+    course's device choice (ddp_common, not torch's own internals) that there is one CUDA device.
+    One warning, then both ranks train on the CPU with gloo."""
+    fake = tmp_path / "fake_one_gpu"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(
+        "import sys\n"
+        "import torch\n"
+        "real_is_available, real_device_count = torch.cuda.is_available, torch.cuda.device_count\n"
+        "def asked_by_the_course():\n"
+        "    return sys._getframe(2).f_globals.get('__name__') == 'ddp_common'\n"
+        "def is_available():\n"
+        "    return True if asked_by_the_course() else real_is_available()\n"
+        "def device_count():\n"
+        "    return 1 if asked_by_the_course() else real_device_count()\n"
+        "torch.cuda.is_available, torch.cuda.device_count = is_available, device_count\n"
+    )
+    env = cpu_env(PYTHONPATH=f"{fake}{os.pathsep}{ROOT}")
+    result = run_torchrun(
+        ROOT / "ddp_mnist.py",
+        *("--data", "synthetic", "--max-steps", 2, "--log-every", 1),
+        *("--checkpoint-dir", tmp_path / "ck"),
+        env=env,
+    )
+    assert_ok(result)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "1 GPU" in warnings[0], result.stderr[-2000:]
+    done = done_fields(result)
+    assert done["device"] == "cpu" and done["backend"] == "gloo" and done["world"] == "2"
+
+
 @pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--epochs", "-1"], ["--data", "cifar"]])
 def test_bad_flags_are_usage_errors(flag, capsys):
     with pytest.raises(SystemExit) as e:
         ddp_mnist.parse_args(flag)
-    assert e.value.code == 2 and re.search(r"^\S+: error: ", capsys.readouterr().err, re.M)
+    assert e.value.code == 2 and re.search(r"^(\S+: )?error: ", capsys.readouterr().err, re.M)
 
 
 # ---- what DDP guarantees, checked on the lesson's own code inside real processes ----
@@ -258,7 +292,10 @@ def test_ranks_stay_identical_and_match_one_process_with_the_global_batch(seen):
 def test_evaluation_is_exact_when_the_test_set_does_not_divide(seen, world_size):
     single, multi = seen[1]["eval"], seen[world_size]["eval"]
     assert multi[3] == 17  # every sample counted once: no padding duplicates, none dropped
-    torch.testing.assert_close(multi, single)  # same loss, accuracy, correct count as 1 process
+    assert torch.equal(multi[2:], single[2:])  # the same correct count as 1 process, exactly
+    # The loss is a float32 sum whose grouping depends on the shards: equal up to rounding (seen:
+    # 1.9e-7 relative on one CPU), not to the last bit.
+    torch.testing.assert_close(multi[:2], single[:2], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n,world", [(60, 2), (60, 4), (61, 4)])
