@@ -178,7 +178,7 @@ def load_snapshot(args, ddp, model, optimizer):
     path = args.resume
     if args.resume == "auto":
         path = os.path.join(args.checkpoint_dir, SNAPSHOT)
-    snapshot = {"epoch": 0, "batch": 0, "world_size": ddp.world_size}
+    snapshot = {"epoch": 0, "batch": 0}
     if path and (args.resume != "auto" or os.path.isfile(path)):
         snapshot = load_checkpoint(path, model=model, optimizer=optimizer)
     epoch = snapshot["epoch"]
@@ -197,12 +197,10 @@ def load_snapshot(args, ddp, model, optimizer):
             code=1,
             rank0_only=True,
         )
-    # Inside an epoch, the next batches are this rank's shard of the shuffle: the same world
-    # size and batch size give the same shards.
-    if batch > 0 and (snapshot["world_size"], snapshot["batch_size"]) != (
-        ddp.world_size,
-        args.batch_size,
-    ):
+    # Inside an epoch, the batches left are this rank's part of the epoch's shuffle: only the
+    # same world size and batch size cut it into the same shards and batches.
+    saved_with = (snapshot.get("world_size"), snapshot.get("batch_size"))
+    if batch > 0 and saved_with != (ddp.world_size, args.batch_size):
         fail(
             f"{path} stopped inside epoch {epoch + 1} with world size {snapshot['world_size']} "
             f"x batch {snapshot['batch_size']}; this run has {ddp.world_size} x "

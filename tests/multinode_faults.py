@@ -30,15 +30,14 @@ from ddp_common import fail  # noqa: E402
 
 def parse_hooks():
     """The hook flags; everything else is left for multinode.py's own parser."""
-    parser = argparse.ArgumentParser(
-        add_help=False, allow_abbrev=False, description="Test hooks (tests/multinode_faults.py):"
-    )
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--crash-rank", type=int, default=None, metavar="R")
     parser.add_argument("--crash-at", default="1", metavar="start|STEP")
     parser.add_argument("--report", default=None, metavar="PATH")
     hooks, rest = parser.parse_known_args()
     if "-h" in rest or "--help" in rest:
-        print(parser.format_help() + __doc__)
+        # The hooks here, then multinode.py's own --help.
+        print(__doc__)
     if hooks.crash_rank is not None and hooks.crash_rank < 0:
         fail("--crash-rank must be a rank >= 0")
     if hooks.crash_at != "start" and not (hooks.crash_at.isdigit() and int(hooks.crash_at) > 0):

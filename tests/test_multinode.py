@@ -229,33 +229,27 @@ def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
 
 @pytest.mark.slow
 def test_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, single_node):
-    """RESTART_RUN (8 steps per epoch) in three runs of multinode.py: --max-steps 11 stops inside
-    epoch 2, `--resume PATH` with another --checkpoint-dir stops inside epoch 3 (11 + 6 = 17
-    steps), `--resume auto` finishes. The weights equal the uninterrupted run's, bit for bit: no
-    batch skipped, none repeated. `--resume PATH` only reads PATH: its bytes do not change, and
-    the run saves to its own --checkpoint-dir."""
+    """RESTART_RUN (8 steps per epoch) in runs of multinode.py: --max-steps 11 stops inside
+    epoch 2. One process may not take that over (`--resume auto`: another world size cuts the
+    rest of the epoch into other shards). `--resume PATH` with another --checkpoint-dir finishes:
+    the weights equal the uninterrupted run's, bit for bit (no batch skipped, none repeated); PATH
+    was only read (its bytes did not change) and the run saved to its own --checkpoint-dir."""
     first, second = tmp_path / "first", tmp_path / "second"
     r = run_torchrun("multinode.py", *RESTART_RUN, "--max-steps", "11", "--checkpoint-dir", first)
     assert_ok(r)
     stopped = first / "multinode.pt"
     before = file_sha256(stopped)
     r = run_torchrun(
-        "multinode.py",
-        *RESTART_RUN,
-        "--max-steps",
-        "6",
-        "--resume",
-        stopped,
-        "--checkpoint-dir",
-        second,
+        "multinode.py", *RESTART_RUN, "--resume", "auto", "--checkpoint-dir", first, nproc=1
     )
+    assert r.returncode != 0 and len(error_lines(r)) == 1, r.stderr[-2000:]
+    assert "same world size" in error_lines(r)[0]
+    assert file_sha256(stopped) == before
+    r = run_torchrun("multinode.py", *RESTART_RUN, "--resume", stopped, "--checkpoint-dir", second)
     assert_ok(r)
     assert file_sha256(stopped) == before, "--resume PATH rewrote its input"
     assert os.listdir(first) == ["multinode.pt"]
-    r = run_torchrun("multinode.py", *RESTART_RUN, "--resume", "auto", "--checkpoint-dir", second)
-    assert_ok(r)
     assert snapshot_sha(second / "multinode.pt") == (3, single_node["params_sha256"][0])
-    assert file_sha256(stopped) == before
 
 
 def launch_sh(*args, env=None):
