@@ -23,7 +23,8 @@ from conftest import (
     run,
     run_nodes,
     run_python,
-    run_torchrun,
+    spawn,
+    torchrun_env,
 )
 
 from multinode import params_sha256
@@ -227,29 +228,40 @@ def test_two_nodes_c10d_then_static_resume_from_node_local_snapshots(tmp_path):
     assert snapshot_sha(dirs[0] / "multinode.pt")[0] == 2  # untouched
 
 
+def _main_as_torchrun_worker(rank, world_size, port, flags):
+    """In a spawned process: multinode.main() with the environment torchrun would give it."""
+    torchrun_env(rank, world_size, port)
+    sys.argv = ["multinode.py", *RESTART_RUN, *map(str, flags)]
+    import multinode
+
+    multinode.main()
+
+
 @pytest.mark.slow
 def test_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, single_node):
-    """RESTART_RUN (8 steps per epoch) in runs of multinode.py: --max-steps 11 stops inside
-    epoch 2. One process may not take that over (`--resume auto`: another world size cuts the
-    rest of the epoch into other shards). `--resume PATH` with another --checkpoint-dir finishes:
-    the weights equal the uninterrupted run's, bit for bit (no batch skipped, none repeated); PATH
-    was only read (its bytes did not change) and the run saved to its own --checkpoint-dir."""
+    """RESTART_RUN (8 steps per epoch) on 2 ranks: --max-steps 11 stops inside epoch 2.
+    `--resume PATH` with another --checkpoint-dir finishes: PATH was only read (its bytes did not
+    change), the run saved to its own --checkpoint-dir, and the weights equal the uninterrupted
+    run's, bit for bit (no batch skipped, none repeated). One process may not take over the
+    stopped epoch: another world size cuts the rest of it into other shards. The two-rank runs
+    are spawned (the processes torchrun would start, without the agent's start-up)."""
     first, second = tmp_path / "first", tmp_path / "second"
-    r = run_torchrun("multinode.py", *RESTART_RUN, "--max-steps", "11", "--checkpoint-dir", first)
-    assert_ok(r)
+    spawn(_main_as_torchrun_worker, 2, ["--max-steps", "11", "--checkpoint-dir", first])
     stopped = first / "multinode.pt"
     before = file_sha256(stopped)
-    r = run_torchrun(
-        "multinode.py", *RESTART_RUN, "--resume", "auto", "--checkpoint-dir", first, nproc=1
-    )
-    assert r.returncode != 0 and len(error_lines(r)) == 1, r.stderr[-2000:]
-    assert "same world size" in error_lines(r)[0]
-    assert file_sha256(stopped) == before
-    r = run_torchrun("multinode.py", *RESTART_RUN, "--resume", stopped, "--checkpoint-dir", second)
-    assert_ok(r)
+    spawn(_main_as_torchrun_worker, 2, ["--resume", stopped, "--checkpoint-dir", second])
     assert file_sha256(stopped) == before, "--resume PATH rewrote its input"
     assert os.listdir(first) == ["multinode.pt"]
     assert snapshot_sha(second / "multinode.pt") == (3, single_node["params_sha256"][0])
+
+    one_rank = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1}
+    env = cpu_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), **one_rank)
+    r = run_python(
+        "multinode.py", *RESTART_RUN, "--resume", "auto", "--checkpoint-dir", first, env=env
+    )
+    assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr[-2000:]
+    assert "same world size" in error_lines(r)[0] and "Traceback" not in r.stderr
+    assert file_sha256(stopped) == before
 
 
 def launch_sh(*args, env=None):
