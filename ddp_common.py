@@ -148,9 +148,10 @@ def one_gpu_per_process():
 
 
 def torchrun_store(world_size, timeout):
-    """Why: plain torchrun keeps ONE store for all restart attempts, so each attempt gets its own
-    namespace (the dead attempt's keys hold addresses of gone peers). A node whose workers did
-    not fail restarts uncounted: 2+ nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (fresh ones)."""
+    """Why: torchrun hands every restart attempt one store (c10d by default; static rendezvous
+    always), holding the dead attempt's keys: addresses of peers that are gone. A namespace per
+    attempt makes plain torchrun --max-restarts recover on one node (10/10; 3/10 without it,
+    docs/multinode.md#restarts-the-rule)."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # torchrun gave this attempt a fresh store: the standard env:// path.
@@ -158,9 +159,11 @@ def torchrun_store(world_size, timeout):
     restarts = int(env["TORCHELASTIC_MAX_RESTARTS"])
     nodes = int(env["GROUP_WORLD_SIZE"])
     if env["RANK"] == "0" and restarts > 0 and nodes > 1:
+        # Each node's agent counts its own restarts: two nodes can pick different namespaces.
         print(
-            "warning: torchrun shares one store across restarts, and on several nodes a restart "
-            "can hang: start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            "warning: restarts on several nodes with one store for all attempts can hang: use "
+            "--rdzv-backend=c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (static rendezvous "
+            "always shares its store; launch_ddp.sh does both)",
             file=sys.stderr,
         )
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, timeout=timeout)

@@ -29,13 +29,14 @@ it to Slurm. Options:
                         handed out as nodes join (HOST is one of the nodes; default port 29400)
   --rdzv-id ID          c10d rendezvous id, the same on every node of one job (default ddp-course)
   --max-restarts N      torchrun restarts the workers up to N times after a failure (default 0);
-                        pass --resume auto to the script so that they continue from the snapshot
+                        pass --resume auto to the script so that they continue from the snapshot.
+                        Several nodes: only with --rdzv-endpoint (static rendezvous cannot)
   --slurm               submit with sbatch slurm/train.sbatch (one torchrun per node);
                         --nnodes sets --nodes, --nproc sets NPROC_PER_NODE
   --slurm-srun          submit with sbatch slurm/train_srun.sbatch (one srun task per GPU,
                         no torchrun); --nproc sets --ntasks-per-node
   --debug               verbose distributed logs: NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET,
-                        TORCH_DISTRIBUTED_DEBUG=DETAIL, TORCH_CPP_LOG_LEVEL=INFO,
+                        TORCH_DISTRIBUTED_DEBUG=INFO, TORCH_CPP_LOG_LEVEL=INFO,
                         TORCH_SHOW_CPP_STACKTRACES=1, LOGLEVEL=INFO
   --dry-run             print the command instead of running it
   -h, --help            this help
@@ -85,9 +86,9 @@ SCRIPT=$1; shift
 if [[ $DEBUG == 1 ]]; then
     # What each one shows: NCCL's transport choice and errors; DDP's checks of unused parameters
     # and mismatched collectives; c10d's store/rendezvous logs; C++ stacks in errors; torchrun's log.
-    export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=DETAIL \
+    export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=INFO \
         TORCH_CPP_LOG_LEVEL=INFO TORCH_SHOW_CPP_STACKTRACES=1 LOGLEVEL=INFO PYTHONFAULTHANDLER=1
-    echo "+ export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=DETAIL" \
+    echo "+ export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET TORCH_DISTRIBUTED_DEBUG=INFO" \
         "TORCH_CPP_LOG_LEVEL=INFO TORCH_SHOW_CPP_STACKTRACES=1 LOGLEVEL=INFO PYTHONFAULTHANDLER=1" >&2
 fi
 
@@ -102,16 +103,19 @@ if [[ $MODE != torchrun ]]; then
         || die "--node-rank, --master-addr, --master-port and --rdzv-endpoint are not used with $MODE: the sbatch script picks them"
     HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
     export DDP_COURSE_DIR=$HERE   # the sbatch scripts activate $DDP_COURSE_DIR/.venv if it exists
-    OPTS=()   # only what you gave overrides the #SBATCH lines of the script
+    # Only what you gave overrides the #SBATCH lines of the script. OPTS may stay empty:
+    # ${OPTS[@]+"${OPTS[@]}"} expands it to nothing where "${OPTS[@]}" would stop bash <= 4.3
+    # (set -u: "unbound variable").
+    OPTS=()
     [[ $NNODES_SET == 1 ]] && OPTS+=(--nodes="$NNODES")
     if [[ $MODE == slurm ]]; then
         EXPORT=ALL${NPROC:+,NPROC_PER_NODE=$NPROC}
         [[ $MAX_RESTARTS == 0 ]] || EXPORT+=,MAX_RESTARTS=$MAX_RESTARTS
         [[ $EXPORT == ALL ]] || OPTS+=(--export="$EXPORT")
-        CMD=(sbatch "${OPTS[@]}" "$HERE/slurm/train.sbatch")
+        CMD=(sbatch ${OPTS[@]+"${OPTS[@]}"} "$HERE/slurm/train.sbatch")
     else
         [[ $MAX_RESTARTS == 0 ]] || die "--max-restarts needs torchrun: use --slurm, not --slurm-srun"
-        CMD=(sbatch "${OPTS[@]}" ${NPROC:+--ntasks-per-node=$NPROC} "$HERE/slurm/train_srun.sbatch")
+        CMD=(sbatch ${OPTS[@]+"${OPTS[@]}"} ${NPROC:+--ntasks-per-node=$NPROC} "$HERE/slurm/train_srun.sbatch")
     fi
     CMD+=("$SCRIPT" "$@")
     [[ $DRY_RUN == 1 ]] || command -v sbatch >/dev/null || die "sbatch not found: is this a Slurm login node?"
@@ -153,6 +157,9 @@ fi
 
 [[ -n $NODE_RANK && -n $MASTER_ADDR_ARG ]] \
     || die "--nnodes $NNODES needs --node-rank and --master-addr (static), or --rdzv-endpoint (c10d)"
+# Static rendezvous never restarts a healthy node with the failed one (docs/multinode.md).
+[[ $MAX_RESTARTS == 0 ]] \
+    || die "--max-restarts needs c10d rendezvous on several nodes: use --rdzv-endpoint HOST, not --node-rank/--master-addr"
 is_uint "$NODE_RANK" && [[ $NODE_RANK -lt $NNODES ]] \
     || die "--node-rank must be 0..$((NNODES - 1)) for --nnodes $NNODES, not '$NODE_RANK'"
 # static: node ranks are fixed by you; node 0 hosts the store at MASTER_ADDR:MASTER_PORT.

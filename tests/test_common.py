@@ -230,6 +230,7 @@ def test_torchrun_shared_store_gets_one_namespace_per_attempt(monkeypatch, capsy
     ddp_common.torchrun_store(2, timedelta(seconds=10))
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning[0]
+    assert "c10d" in warning[0]
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert ddp_common.torchrun_store(2, timedelta(seconds=10)) is None
 
