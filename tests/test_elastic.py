@@ -1,0 +1,184 @@
+"""Lesson 3 (multi_gpu_torchrun.py) on a changing world: the same global batch on 1, 2 or 4 ranks
+is the same run to float rounding; a snapshot resumes on another world size at the next unseen
+sample; an elastic torchrun job (--nnodes=1:2) that loses a node for good finishes on the one
+left, from its snapshot. Real processes on gloo."""
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, cpu_env, error_lines, free_port, kill_tree, run, spawn, torchrun_env
+
+import multi_gpu_torchrun
+
+# 256 samples, a global batch of 64 (4 steps an epoch) in micro-batches of 16 per rank: 1 rank
+# accumulates 4, 2 ranks 2, 4 ranks 1. No dropout: the ranks' random streams cannot carry over
+# to another world size, and this test compares the arithmetic.
+SCRIPT = "multi_gpu_torchrun.py"
+RUN = ["--epochs", "2", "--samples", "256", "--batch-size", "16", "--global-batch-size", "64"]
+RUN += ["--hidden", "32", "--dropout", "0"]
+STEPS = 8
+# Float rounding: 8 AdamW steps summing the same gradients in another order.
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _lesson_rank(rank, world_size, port, argv):
+    """A spawned rank runs the lesson's main() as torchrun would start it."""
+    torchrun_env(rank, world_size, port)
+    multi_gpu_torchrun.main([str(a) for a in argv])
+
+
+def train(world_size, checkpoint_dir, *extra):
+    spawn(_lesson_rank, world_size, [*RUN, "--checkpoint-dir", checkpoint_dir, *extra])
+    return torch.load(checkpoint_dir / "snapshot.pt", weights_only=True)
+
+
+def assert_close(a, b):
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], **TOLERANCE, msg=k)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return train(2, tmp_path_factory.mktemp("two"))
+
+
+def test_same_global_batch_is_the_same_run_on_1_2_and_4_ranks(tmp_path, two_ranks):
+    # The lesson's initial weights: seed 0, then the model.
+    torch.manual_seed(0)
+    initial = multi_gpu_torchrun.make_model(32, 0.0).state_dict()
+    # The training moved the weights far more than the tolerance: equal runs are not a given.
+    moved = max((two_ranks["model"][k] - initial[k]).abs().max() for k in initial)
+    assert moved > 100 * TOLERANCE["atol"], moved
+    assert two_ranks["history"]["starts"] == [[0, 0, 2]]
+    for world_size in (1, 4):
+        snap = train(world_size, tmp_path / str(world_size))
+        assert snap["step"] == STEPS and snap["history"]["samples"] == [256, 256]
+        assert_close(snap, two_ranks)
+
+
+def test_stopped_on_2_ranks_resumes_on_4_and_on_1_at_the_next_sample(tmp_path, two_ranks):
+    # Step 6 of 8: mid-way through epoch 2.
+    stopped = train(2, tmp_path / "stopped", "--max-steps", "6")
+    assert (stopped["epoch"], stopped["samples"], stopped["step"]) == (1, 128, 6)
+    for world_size in (4, 1):
+        folder = tmp_path / f"on{world_size}"
+        shutil.copytree(tmp_path / "stopped", folder)
+        # The global batch comes from the snapshot: the command need not repeat it.
+        argv = [a for a in RUN if a not in ("--global-batch-size", "64")]
+        spawn(_lesson_rank, world_size, [*argv, "--checkpoint-dir", folder])
+        snap = torch.load(folder / "snapshot.pt", weights_only=True)
+        assert snap["history"]["starts"] == [[0, 0, 2], [0, 6, world_size]]
+        # The interrupted epoch trained each of its 256 samples once: 128 on 2 ranks, the rest
+        # here (counted as trained, summed over the ranks).
+        assert snap["history"]["samples"] == [256, 256]
+        assert snap["step"] == STEPS and snap["global_batch_size"] == 64
+        assert_close(snap, two_ranks)
+
+
+def test_another_global_batch_is_refused_in_one_line(tmp_path, two_ranks):
+    torch.save(two_ranks, tmp_path / "snapshot.pt")
+    env = cpu_env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    argv = [a if a != "64" else "32" for a in RUN]
+    # One process with the variables torchrun would set: no agent needed to read the error.
+    r = run([sys.executable, ROOT / SCRIPT, *argv, "--checkpoint-dir", tmp_path], env=env)
+    errors = error_lines(r)
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert "--global-batch-size 64, not 32" in errors[0]
+
+
+def elastic_agent(node, endpoint, checkpoint_dir, log):
+    """One "node" of an elastic job: a torchrun agent with one worker, --nnodes=1:2. Node 0 hosts
+    the c10d store (is_host) and has the lowest address, so it holds rank 0 (the writer of the
+    snapshots): it is the node that must survive. Its output goes to log."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1"]
+    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
+    # last_call_timeout: how long a round that has its minimum of nodes waits for more (30 s by
+    # default); kept short here.
+    cmd += [f"--rdzv-conf=is_host={int(node == 0)},last_call_timeout=5"]
+    cmd += [f"--local-addr=127.0.0.{node + 1}", "--max-restarts=3", "--monitor-interval=0.5"]
+    # 4 epochs of 4 steps, a snapshot every 2; 0.3 s a step so that the kill lands mid-run.
+    cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", "4", "--checkpoint-dir", checkpoint_dir]
+    cmd += ["--save-every", "2", "--step-delay", "0.3"]
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=ROOT,
+        env=cpu_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def poll(condition, timeout, procs):
+    """Wait (bounded) until condition() is true; fail if it is not or a process ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        assert not ended, f"an agent ended early: exit {ended}"
+        time.sleep(0.1)
+    pytest.fail(f"not reached in {timeout} s")
+
+
+@pytest.mark.slow
+def test_elastic_job_losing_a_node_finishes_on_the_survivor(tmp_path):
+    """Two agents (nodes) of one elastic job; node 1's whole process tree is SIGKILLed mid-run.
+    Node 0's worker loses its peer and exits; its agent restarts it in a new rendezvous round of
+    one node; the worker resumes from the last snapshot on world size 1 with the same global
+    batch and finishes. Its weights equal a run that took the same steps on the same world
+    sizes (built from the snapshot's history by --max-steps stops and resumes)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    path = tmp_path / "snapshot.pt"
+    logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
+    agents = [elastic_agent(node, endpoint, tmp_path, logs[node]) for node in (0, 1)]
+    try:
+
+        def saved_on_two_ranks():
+            try:
+                snap = torch.load(path, weights_only=True)
+            except Exception:  # not there yet, or being replaced
+                return None
+            start = snap["history"]["starts"][-1]
+            return start[2] == 2 and snap["step"] > start[1]
+
+        poll(saved_on_two_ranks, 240, agents)
+        killed = time.monotonic()
+        kill_tree(agents[1].pid)
+        agents[1].wait(timeout=30)
+
+        def resumed_alone():
+            logs[0].seek(0)
+            return re.search(r"^resumed: .* world 2 -> 1 ", logs[0].read(), re.M)
+
+        poll(resumed_alone, 180, agents[:1])
+        waited = time.monotonic() - killed
+        agents[0].wait(timeout=180)
+    finally:
+        kill_tree(*(agent.pid for agent in agents))
+    logs[0].seek(0)
+    out = logs[0].read()
+    print(f"the survivor resumed {waited:.1f} s after the kill")
+    assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", out, re.M), out[-3000:]
+    snap = torch.load(path, weights_only=True)
+    starts = snap["history"]["starts"]
+    assert starts[-1][2] == 1 and snap["step"] == 16 and snap["global_batch_size"] == 64, starts
+    assert snap["history"]["samples"] == [256] * 4
+
+    # The reference: the same segments (world size, from step, to step), one launch each.
+    reference = tmp_path / "reference"
+    ends = [start[1] for start in starts[1:]] + [16]
+    for (_, _, world_size), end in zip(starts, ends, strict=True):
+        argv = [*RUN[2:], "--epochs", 4, "--checkpoint-dir", reference]
+        if end < 16:
+            argv += ["--max-steps", end]
+        spawn(_lesson_rank, world_size, argv)
+    expected = torch.load(reference / "snapshot.pt", weights_only=True)
+    assert [s[1:] for s in expected["history"]["starts"]] == [s[1:] for s in starts]
+    assert_close(snap, expected)
