@@ -59,37 +59,22 @@ def parse_args(argv=None):
         "torchrun --standalone --nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py"
     )
     p.add_argument("--epochs", type=int, default=10, help="epochs to train in all (default 10)")
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=0,
-        help="stop after optimizer step N with a snapshot (0 = run all epochs); run again "
-        "without it to go on",
-    )
+    p.add_argument("--max-steps", type=int, default=0, help="stop with a snapshot at step N")
     p.add_argument(
         "--batch-size", type=int, default=32, help="samples per micro-batch PER RANK (default 32)"
     )
+    # The accumulation steps follow: global batch / (world size x --batch-size).
     p.add_argument(
         "--global-batch-size",
         type=int,
         default=0,
-        help="samples per optimizer step, all ranks together; accumulation steps = this / "
-        "(world size x --batch-size). Default: the snapshot's when resuming, else "
-        "--batch-size x world size",
+        help="samples per optimizer step (default: the snapshot's, else batch size x world size)",
     )
+    # No --resume: a restarted worker gets the same command, so it looks for the snapshot.
     p.add_argument(
-        "--checkpoint-dir",
-        default="./checkpoints",
-        help="holds snapshot.pt: resumed from whenever it exists (that is how restarted "
-        "workers find their place), saved to as training goes. On several nodes it "
-        "must be a file system every node sees (default ./checkpoints)",
+        "--checkpoint-dir", default="./checkpoints", help="snapshot.pt: resumed from if there"
     )
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=0,
-        help="also snapshot every N optimizer steps (0 = only at epoch ends)",
-    )
+    p.add_argument("--save-every", type=int, default=0, help="also snapshot every N steps")
     p.add_argument(
         "--preempt-signals",
         default="SIGTERM,SIGUSR1",
@@ -102,31 +87,12 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed for the data, the init and the shuffles"
-    )
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "nccl", "gloo"],
-        help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
-    )
-    p.add_argument(
-        "--fail-at-step",
-        type=int,
-        default=0,
-        help="demo: --fail-rank kills itself with SIGKILL after step N, once per "
-        "checkpoint dir (a marker file snapshot.pt.failed remembers it); 0 = never",
-    )
-    p.add_argument(
-        "--fail-rank", type=int, default=1, help="global rank that --fail-at-step kills (default 1)"
-    )
-    p.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="demo: sleep S seconds after each step, to leave time to kill a worker by hand",
-    )
+    p.add_argument("--seed", type=int, default=0, help="for the data, the init, the shuffles")
+    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    # Demo: a crash (SIGKILL, once per checkpoint dir), and time to kill a worker by hand.
+    p.add_argument("--fail-at-step", type=int, default=0, help="--fail-rank dies after step N")
+    p.add_argument("--fail-rank", type=int, default=1, help="the rank --fail-at-step kills")
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep S seconds per step")
     p.error = usage_error
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "samples", "hidden", "stop_check_every"):
@@ -149,6 +115,16 @@ def parse_args(argv=None):
         p.error(f"--fail-rank {args.fail_rank} does not exist: ranks are 0..{int(world) - 1}")
     args.snapshot = os.path.join(args.checkpoint_dir, "snapshot.pt")
     return args
+
+
+# The number of the last stop signal this process received (0: none yet).
+received_signal = 0
+
+
+def on_stop_signal(signum, frame):
+    """Only note it: the ranks stop together, at a step they agree on (Trainer._agree_to_stop)."""
+    global received_signal
+    received_signal = signum
 
 
 def rng_state(device):
@@ -201,10 +177,8 @@ class Trainer:
         self.history = {"starts": [], "losses": [], "samples": []}
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # DDP: set by torchrun
         self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-        # The number of the stop signal this rank received (0: none yet).
+        # The stop signal the ranks agreed on (0: none).
         self.stop_signal = 0
-        for sig in args.signals:
-            signal.signal(sig, self._on_signal)
         if ddp.is_main:  # a save killed half-way leaves its temp file behind: tidy up
             for leftover in glob.glob(glob.escape(args.snapshot) + ".*.tmp"):
                 os.remove(leftover)
@@ -234,10 +208,6 @@ class Trainer:
     @property
     def step(self):
         return self.epoch * self.steps_per_epoch + self.samples // self.global_batch
-
-    def _on_signal(self, signum, frame):
-        # Only note it: the ranks stop together, at a step they agree on (see _agree_to_stop).
-        self.stop_signal = signum
 
     def _load_snapshot(self, model):
         a = self.args
@@ -300,7 +270,7 @@ class Trainer:
         comes up to that many steps late, which must fit in the launcher's grace period."""
         if self.step % self.args.stop_check_every != 0:
             return False
-        flag = torch.tensor([float(self.stop_signal)], device=self.ddp.device)
+        flag = torch.tensor([float(received_signal)], device=self.ddp.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # DDP: the same answer on every rank
         self.stop_signal = int(flag.item())
         return self.stop_signal != 0
@@ -424,6 +394,9 @@ def lost_peer(error):
 
 def main(argv=None):
     args = parse_args(argv)
+    # First thing: a signal that comes while the group forms is kept for the first check.
+    for sig in args.signals:
+        signal.signal(sig, on_stop_signal)
     ddp = setup(args.backend)  # DDP: join the process group (a fresh one on every restart)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
         print0(
@@ -458,16 +431,11 @@ def main(argv=None):
             f"{trainer.step}/{trainer.total_steps} | snapshot {args.snapshot}"
         )
     else:
-        losses = trainer.history["losses"]
-        last = float("nan")
-        first = float("nan")
-        if losses:
-            last = losses[-1]
-            first = losses[0]
+        losses = trainer.history["losses"] or [float("nan")]
         print0(
             f"done: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
-            f"epochs {trainer.epoch} | steps {trainer.step} | loss {last:.4f} (first epoch "
-            f"{first:.4f}) | restarts {trainer.restart} | steps this attempt {steps} | "
+            f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1]:.4f} (first epoch "
+            f"{losses[0]:.4f}) | restarts {trainer.restart} | steps this attempt {steps} | "
             f"time {seconds:.1f}s"
         )
     del trainer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
