@@ -3,6 +3,7 @@ is the same run to float rounding; a snapshot resumes on another world size at t
 sample; an elastic torchrun job (--nnodes=1:2) that loses a node for good finishes on the one
 left, from its snapshot. Real processes on gloo."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -91,23 +92,26 @@ def test_another_global_batch_is_refused_in_one_line(tmp_path, two_ranks):
     assert "--global-batch-size 64, not 32" in errors[0]
 
 
-def elastic_agent(node, endpoint, checkpoint_dir, log):
+def elastic_agent(node, endpoint, checkpoint_dir, log, address=None, prefix=(), env=None):
     """One "node" of an elastic job: a torchrun agent with one worker, --nnodes=1:2. Node 0 hosts
     the c10d store (is_host) and has the lowest address, so it holds rank 0 (the writer of the
-    snapshots): it is the node that must survive. Its output goes to log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1"]
+    snapshots): it is the node that must survive. Its output goes to log; prefix runs it
+    elsewhere (`ip netns exec NS`)."""
+    address = address or f"127.0.0.{node + 1}"
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2"]
+    cmd += ["--nproc_per_node=1"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
     # last_call_timeout: how long a round that has its minimum of nodes waits for more (30 s by
     # default); kept short here.
     cmd += [f"--rdzv-conf=is_host={int(node == 0)},last_call_timeout=5"]
-    cmd += [f"--local-addr=127.0.0.{node + 1}", "--max-restarts=3", "--monitor-interval=0.5"]
+    cmd += [f"--local-addr={address}", "--max-restarts=3", "--monitor-interval=0.5"]
     # 4 epochs of 4 steps, a snapshot every 2; 0.3 s a step so that the kill lands mid-run.
     cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", "4", "--checkpoint-dir", checkpoint_dir]
     cmd += ["--save-every", "2", "--step-delay", "0.3"]
     return subprocess.Popen(
         [str(c) for c in cmd],
         cwd=ROOT,
-        env=cpu_env(),
+        env=env or cpu_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -182,3 +186,95 @@ def test_elastic_job_losing_a_node_finishes_on_the_survivor(tmp_path):
     expected = torch.load(reference / "snapshot.pt", weights_only=True)
     assert [s[1:] for s in expected["history"]["starts"]] == [s[1:] for s in starts]
     assert_close(snap, expected)
+
+
+def namespaces_unavailable():
+    """Why two network namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not shutil.which("ip"):
+        return "no `ip` command (iproute2)"
+    probe = f"ddpprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: two "machines" with their own addresses,
+    10.77.0.1 and 10.77.0.2. Yields [(namespace, interface, address)] * 2; removed after."""
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    tag = os.getpid() % 100000
+    hosts = [(f"ddp{tag}n{i}", f"ddp{tag}v{i}", f"10.77.0.{i + 1}") for i in (0, 1)]
+    (ns0, link0, _), (ns1, link1, _) = hosts
+    steps = [["ip", "netns", "add", ns0], ["ip", "netns", "add", ns1]]
+    steps += [["ip", "link", "add", link0, "netns", ns0, "type", "veth"]]
+    steps[-1] += ["peer", "name", link1, "netns", ns1]
+    for ns, link, address in hosts:
+        steps += [["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", link]]
+        steps += [["ip", "-n", ns, "link", "set", link, "up"]]
+        steps += [["ip", "-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, timeout=30)
+        yield hosts
+    finally:
+        # Removing a namespace removes its end of the veth pair, and with it the other end.
+        for ns, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_node_exits(
+    tmp_path, two_hosts
+):
+    """The harder failure: node 1 is cut off (the link goes down), not killed. No connection is
+    closed, so only timeouts notice: the collective timeout (DDP_TIMEOUT, 20 s here) in both
+    workers, then the rendezvous on the survivor's side. Node 0 must finish on its own from the
+    snapshot, node 1 must give up and exit, each within a bound."""
+    (ns0, link0, address0), (ns1, link1, address1) = two_hosts
+    endpoint = f"{address0}:{free_port()}"
+    logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
+    agents = []
+    for node, (ns, link, address) in enumerate(two_hosts):
+        # gloo picks its interface from the host name, which resolves outside the namespace.
+        env = cpu_env(DDP_TIMEOUT=20, GLOO_SOCKET_IFNAME=link)
+        prefix = ["ip", "netns", "exec", ns]
+        agents.append(elastic_agent(node, endpoint, tmp_path, logs[node], address, prefix, env))
+    path = tmp_path / "snapshot.pt"
+    try:
+
+        def saved_on_two_ranks():
+            try:
+                snap = torch.load(path, weights_only=True)
+            except Exception:  # not there yet, or being replaced
+                return None
+            start = snap["history"]["starts"][-1]
+            return start[2] == 2 and snap["step"] > start[1]
+
+        poll(saved_on_two_ranks, 240, agents)
+        subprocess.run(["ip", "-n", ns1, "link", "set", link1, "down"], check=True, timeout=30)
+        cut = time.monotonic()
+        ends = {}
+        while len(ends) < 2 and time.monotonic() - cut < 300:
+            for node, agent in enumerate(agents):
+                if node not in ends and agent.poll() is not None:
+                    ends[node] = time.monotonic() - cut
+            time.sleep(0.2)
+    finally:
+        kill_tree(*(agent.pid for agent in agents))
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+    print(f"after the cut: node 0 ended in {ends.get(0)} s, node 1 in {ends.get(1)} s")
+    assert len(ends) == 2, f"still running 300 s after the cut: {ends}\n{outs[1][-3000:]}"
+    assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", outs[0], re.M), outs[0]
+    assert agents[1].returncode != 0, outs[1][-3000:]
+    snap = torch.load(path, weights_only=True)
+    assert snap["step"] == 16 and snap["history"]["samples"] == [256] * 4
