@@ -81,15 +81,26 @@ def test_stopped_on_2_ranks_resumes_on_4_and_on_1_at_the_next_sample(tmp_path, t
         assert_close(snap, two_ranks)
 
 
-def test_another_global_batch_is_refused_in_one_line(tmp_path, two_ranks):
-    torch.save(two_ranks, tmp_path / "snapshot.pt")
-    env = cpu_env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
-    argv = [a if a != "64" else "32" for a in RUN]
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("another global batch", "--global-batch-size 64, not 32"),
+        ("does not divide", "--global-batch-size 40 is not a multiple of world size 1 x"),
+    ],
+)
+def test_a_global_batch_that_cannot_be_used_is_one_error_line(tmp_path, two_ranks, case, message):
+    argv = [*RUN, "--checkpoint-dir", tmp_path]
+    if case == "another global batch":
+        torch.save(two_ranks, tmp_path / "snapshot.pt")
+        argv[argv.index("64")] = "32"
+    else:
+        argv[argv.index("64")] = "40"
     # One process with the variables torchrun would set: no agent needed to read the error.
-    r = run([sys.executable, ROOT / SCRIPT, *argv, "--checkpoint-dir", tmp_path], env=env)
+    env = cpu_env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    r = run([sys.executable, ROOT / SCRIPT, *argv], env=env)
     errors = error_lines(r)
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
-    assert "--global-batch-size 64, not 32" in errors[0]
+    assert message in errors[0], errors
 
 
 def elastic_agent(node, endpoint, checkpoint_dir, log, address=None, prefix=(), env=None):
@@ -102,8 +113,8 @@ def elastic_agent(node, endpoint, checkpoint_dir, log, address=None, prefix=(), 
     cmd += ["--nproc_per_node=1"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
     # last_call_timeout: how long a round that has its minimum of nodes waits for more (30 s by
-    # default); kept short here.
-    cmd += [f"--rdzv-conf=is_host={int(node == 0)},last_call_timeout=5"]
+    # default); join_timeout: how long an agent tries to join a round (600 s). Short here.
+    cmd += [f"--rdzv-conf=is_host={int(node == 0)},last_call_timeout=5,join_timeout=60"]
     cmd += [f"--local-addr={address}", "--max-restarts=3", "--monitor-interval=0.5"]
     # 4 epochs of 4 steps, a snapshot every 2; 0.3 s a step so that the kill lands mid-run.
     cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", "4", "--checkpoint-dir", checkpoint_dir]

@@ -6,14 +6,18 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from conftest import (
+    ROOT,
     assert_ok,
     cpu_env,
     error_lines,
+    free_port,
+    run,
     run_python,
     run_torchrun,
     run_torchrun_nodes,
@@ -343,6 +347,10 @@ def test_no_restarts_fails_clearly_preemptions_save_and_relaunches_resume(tmp_pa
         ["3", "1"],  # the old positional TOTAL_EPOCHS SAVE_EVERY
         ["--batch-size", "0"],
         ["--fail-at-step", "-1"],
+        ["--global-batch-size", "-64"],
+        ["--stop-check-every", "0"],
+        ["--preempt-signals", "SIGKILL"],  # cannot be caught
+        ["--dropout", "1"],
     ],
 )
 def test_bad_arguments_one_error_line(args, capsys, monkeypatch):
@@ -379,9 +387,10 @@ def test_bad_fail_rank_under_torchrun_one_error_line(rank, lines, capsys, monkey
 
 def test_snapshot_from_another_model_is_one_error_line(tmp_path, baseline):
     torch.save(baseline, tmp_path / "snapshot.pt")
-    r = run_torchrun(
-        SCRIPT, *RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path, timeout=TIMEOUT, nproc=1
-    )
+    # One process with the variables torchrun would set: no agent needed to read the error.
+    env = cpu_env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    argv = [*RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path]
+    r = run([sys.executable, ROOT / SCRIPT, *argv], timeout=TIMEOUT, env=env)
     assert r.returncode != 0
     assert error_lines(r) and all("does not match" in line for line in error_lines(r)), r.stderr[
         -3000:
