@@ -12,7 +12,17 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, cpu_env, error_lines, free_port, kill_tree, run, spawn, torchrun_env
+from conftest import (
+    ROOT,
+    cpu_env,
+    descendants,
+    error_lines,
+    free_port,
+    kill_tree,
+    run,
+    spawn,
+    torchrun_env,
+)
 
 import multi_gpu_torchrun
 
@@ -113,8 +123,10 @@ def elastic_agent(node, endpoint, checkpoint_dir, log, address=None, prefix=(), 
     cmd += ["--nproc_per_node=1"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
     # last_call_timeout: how long a round that has its minimum of nodes waits for more (30 s by
-    # default); join_timeout: how long an agent tries to join a round (600 s). Short here.
-    cmd += [f"--rdzv-conf=is_host={int(node == 0)},last_call_timeout=5,join_timeout=60"]
+    # default); join_timeout: how long an agent tries to join a round (600 s); read_timeout: how
+    # long one call to the c10d store may take (60 s). Short here.
+    conf = f"is_host={int(node == 0)},last_call_timeout=5,join_timeout=60,read_timeout=10"
+    cmd += [f"--rdzv-conf={conf}"]
     cmd += [f"--local-addr={address}", "--max-restarts=3", "--monitor-interval=0.5"]
     # 4 epochs of 4 steps, a snapshot every 2; 0.3 s a step so that the kill lands mid-run.
     cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", "4", "--checkpoint-dir", checkpoint_dir]
@@ -240,15 +252,26 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def exited(pid):
+    """Has pid exited (gone, or a zombie its parent has not reaped yet)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.slow
-def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_node_exits(
+def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_worker_exits(
     tmp_path, two_hosts
 ):
-    """The harder failure: node 1 is cut off (the link goes down), not killed. No connection is
+    """The harder failure: node 1 is cut off (its link goes down), not killed. No connection is
     closed, so only timeouts notice: the collective timeout (DDP_TIMEOUT, 20 s here) in both
-    workers, then the rendezvous on the survivor's side. Node 0 must finish on its own from the
-    snapshot, node 1 must give up and exit, each within a bound."""
-    (ns0, link0, address0), (ns1, link1, address1) = two_hosts
+    workers, then the rendezvous on the survivor's side. Node 0 must finish from the snapshot
+    and node 1's worker must give up and exit, each within a bound. (Node 1's torchrun agent
+    itself stays in calls to the unreachable c10d store for minutes: torch's, not the script's;
+    see docs/restarts.md.)"""
+    (_, _, address0), (ns1, link1, _) = two_hosts
     endpoint = f"{address0}:{free_port()}"
     logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
     agents = []
@@ -269,13 +292,15 @@ def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_node_exit
             return start[2] == 2 and snap["step"] > start[1]
 
         poll(saved_on_two_ranks, 240, agents)
+        workers = [pid for pid in descendants(agents[1].pid) if pid != agents[1].pid]
         subprocess.run(["ip", "-n", ns1, "link", "set", link1, "down"], check=True, timeout=30)
         cut = time.monotonic()
         ends = {}
-        while len(ends) < 2 and time.monotonic() - cut < 300:
-            for node, agent in enumerate(agents):
-                if node not in ends and agent.poll() is not None:
-                    ends[node] = time.monotonic() - cut
+        while len(ends) < 2 and time.monotonic() - cut < 240:
+            if 0 not in ends and agents[0].poll() is not None:
+                ends[0] = time.monotonic() - cut
+            if 1 not in ends and all(map(exited, workers)):
+                ends[1] = time.monotonic() - cut
             time.sleep(0.2)
     finally:
         kill_tree(*(agent.pid for agent in agents))
@@ -283,9 +308,12 @@ def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_node_exit
     for log in logs:
         log.seek(0)
         outs.append(log.read())
-    print(f"after the cut: node 0 ended in {ends.get(0)} s, node 1 in {ends.get(1)} s")
-    assert len(ends) == 2, f"still running 300 s after the cut: {ends}\n{outs[1][-3000:]}"
+    print(
+        f"after the cut: node 0 finished in {ends.get(0)} s, "
+        f"node 1's worker exited in {ends.get(1)} s"
+    )
+    assert len(ends) == 2, f"240 s after the cut: {ends}\n{outs[0][-2000:]}\n{outs[1][-2000:]}"
     assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", outs[0], re.M), outs[0]
-    assert agents[1].returncode != 0, outs[1][-3000:]
+    assert re.search(r"^error: rank 1 lost the other ranks", outs[1], re.M), outs[1][-3000:]
     snap = torch.load(path, weights_only=True)
     assert snap["step"] == 16 and snap["history"]["samples"] == [256] * 4
