@@ -307,12 +307,9 @@ class Trainer:
         # DDP: rank r holds positions r, r + world, r + 2 world, ... of the epoch's shuffle, so the
         # global positions s .. s + G are this rank's s / world .. (s + G) / world: taken in
         # order, this rank's micro-batches of a step are its share of the same global batch.
-        shard = list(self.sampler)
-        order = shard[
-            self.samples // ddp.world_size : self.steps_per_epoch
-            * self.global_batch
-            // ddp.world_size
-        ]
+        first = self.samples // ddp.world_size
+        last = self.steps_per_epoch * self.global_batch // ddp.world_size
+        order = list(self.sampler)[first:last]
         # Its own generator: each new DataLoader iterator draws a seed from the global RNG
         # otherwise, and a resumed run (new loader mid-epoch) would draw it one time too many.
         loader = DataLoader(
