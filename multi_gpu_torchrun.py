@@ -1,26 +1,31 @@
-"""Lesson 3: snapshot training that survives a killed worker.
+"""Lesson 3: training that survives a killed worker, a preemption, and a change of world size.
 
     torchrun --standalone --nproc_per_node=4 --max-restarts=3 multi_gpu_torchrun.py --epochs 10
 
-    A snapshot (CHECKPOINT_DIR/snapshot.pt) at every epoch end, and every N optimizer steps with
-    --save-every N. Try --fail-at-step 100: rank 1 kills itself with SIGKILL at step 100 (once
-    per checkpoint dir), torchrun restarts the workers and they resume from the snapshot.
+    A snapshot (CHECKPOINT_DIR/snapshot.pt) at every epoch end, every N optimizer steps with
+    --save-every N, and when the job is told to stop (SIGTERM, SIGUSR1). Try --fail-at-step 100:
+    rank 1 kills itself with SIGKILL at step 100 (once per checkpoint dir), torchrun restarts the
+    workers and they resume from the snapshot.
 
 When one process of a DDP job dies (out of memory, a lost node, a preempted instance, kill -9)
 the others cannot go on: every step all-reduces with everyone. torchrun's answer is to stop all
 the workers and start new ones, up to --max-restarts times (the default is 0: no restart, the
 job fails). A restarted worker is a fresh process that remembers nothing, so the script must
 find its place again in a *snapshot*: the weights, the optimizer state, the position in the data
-(epoch and batch) and every rank's random state. Restored from a snapshot taken between two
-steps, a run continues exactly: on CPU the final weights are bit-for-bit those of a run that was
-never interrupted.
+and every rank's random state. Restored from a snapshot taken between two steps, a run continues
+exactly: on CPU the final weights are bit-for-bit those of a run that was never interrupted.
+
+The job may also come back on another number of GPUs (a requeued job, an elastic job that lost a
+node). The global batch stays fixed and the gradient accumulation steps absorb the world size, so
+every optimizer step sees the same samples on 1, 2 or 4 ranks: the same run, to float rounding.
 
 In the style of pytorch/examples distributed/ddp-tutorial-series/multigpu_torchrun.py, but on a
-task that learns (the tutorial's loss is always zero) and with the restart actually exercised.
-The DDP- and restart-specific lines are marked `# DDP:`.
+task that learns and with the restarts actually exercised. DDP- and restart-specific lines are
+marked `# DDP:`.
 """
 
 import argparse
+import contextlib
 import datetime
 import glob
 import os
@@ -31,80 +36,80 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, set_seed, setup
+from restart_demo import make_dataset, make_model, maybe_fail
+
+
+def usage_error(message):
+    """Under torchrun every rank parses the arguments: only rank 0 prints the mistake, once."""
+    if os.environ.get("RANK", "0") == "0":
+        fail(message)
+    sys.exit(2)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Lesson 3: DDP training that saves snapshots and resumes after torchrun "
-        "restarts a failed worker. Launch with: torchrun --standalone "
-        "--nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py --epochs 10"
+        "restarts a failed worker, after a preemption, or on another world size. Launch with: "
+        "torchrun --standalone --nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py"
     )
     p.add_argument("--epochs", type=int, default=10, help="epochs to train in all (default 10)")
+    p.add_argument("--max-steps", type=int, default=0, help="stop with a snapshot at step N")
     p.add_argument(
-        "--batch-size",
-        type=int,
-        default=32,
-        help="samples per step PER RANK; the global batch is this x world size (default 32)",
+        "--batch-size", type=int, default=32, help="samples per micro-batch PER RANK (default 32)"
     )
+    # The accumulation steps follow: global batch / (world size x --batch-size).
     p.add_argument(
-        "--checkpoint-dir",
-        default="./checkpoints",
-        help="holds snapshot.pt: resumed from whenever it exists (that is how restarted "
-        "workers find their place), saved to as training goes. On several nodes it "
-        "must be a file system every node sees (default ./checkpoints)",
-    )
-    p.add_argument(
-        "--save-every",
+        "--global-batch-size",
         type=int,
         default=0,
-        help="also snapshot every N optimizer steps (0 = only at epoch ends)",
+        help="samples per optimizer step (default: the snapshot's, else batch size x world size)",
+    )
+    # No --resume: a restarted worker gets the same command, so it looks for the snapshot.
+    p.add_argument(
+        "--checkpoint-dir", default="./checkpoints", help="snapshot.pt: resumed from if there"
+    )
+    p.add_argument("--save-every", type=int, default=0, help="also snapshot every N steps")
+    p.add_argument(
+        "--preempt-signals",
+        default="SIGTERM,SIGUSR1",
+        help="signals that mean 'snapshot and stop', exit 128 + signal number; '' for none",
+    )
+    p.add_argument(
+        "--stop-check-every", type=int, default=10, help="steps between checks for a stop signal"
     )
     p.add_argument("--samples", type=int, default=4096, help="size of the generated training set")
     p.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed for the data, the init and the shuffles"
-    )
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "nccl", "gloo"],
-        help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
-    )
-    p.add_argument(
-        "--fail-at-step",
-        type=int,
-        default=0,
-        help="demo: --fail-rank kills itself with SIGKILL after step N, once per "
-        "checkpoint dir (a marker file snapshot.pt.failed remembers it); 0 = never",
-    )
-    p.add_argument(
-        "--fail-rank", type=int, default=1, help="global rank that --fail-at-step kills (default 1)"
-    )
-    p.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="demo: sleep this many seconds after each step, to leave time to kill a worker by hand",
-    )
-    # Under torchrun every rank parses the arguments: only rank 0 prints the mistake, once.
-    p.error = lambda message: fail(message) if os.environ.get("RANK", "0") == "0" else sys.exit(2)
+    p.add_argument("--seed", type=int, default=0, help="for the data, the init, the shuffles")
+    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    # Demo: a crash (SIGKILL, once per checkpoint dir), and time to kill a worker by hand.
+    p.add_argument("--fail-at-step", type=int, default=0, help="--fail-rank dies after step N")
+    p.add_argument("--fail-rank", type=int, default=1, help="the rank --fail-at-step kills")
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep S seconds per step")
+    p.error = usage_error
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "samples", "hidden"):
+    for name in ("epochs", "batch_size", "samples", "hidden", "stop_check_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("save_every", "fail_at_step", "fail_rank", "step_delay"):
+    for name in ("max_steps", "global_batch_size", "save_every", "fail_at_step", "step_delay"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.dropout < 1:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    args.signals = []
+    for name in filter(None, args.preempt_signals.split(",")):
+        if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"):
+            p.error(f"--preempt-signals: {name!r} is not SIGTERM, SIGUSR1, SIGUSR2 or SIGINT")
+        args.signals.append(signal.Signals[name])
     world = os.environ.get("WORLD_SIZE", "")
     if args.fail_at_step and world.isdigit() and args.fail_rank >= int(world):
         p.error(f"--fail-rank {args.fail_rank} does not exist: ranks are 0..{int(world) - 1}")
@@ -112,27 +117,14 @@ def parse_args(argv=None):
     return args
 
 
-def make_dataset(n, seed, dim=20):
-    """A regression task worth learning: targets come from a fixed random 'teacher' network plus
-    a little noise; the student must find the function. Same on every rank (own generator)."""
-    g = torch.Generator().manual_seed(seed + 3)
-    x = torch.randn(n, dim, generator=g)
-    w1, w2 = torch.randn(dim, 64, generator=g) / dim**0.5, torch.randn(64, 1, generator=g)
-    y = torch.tanh(x @ w1) @ w2
-    y = (y - y.mean()) / y.std() + 0.05 * torch.randn(n, 1, generator=g)
-    return TensorDataset(x, y)
+# The number of the last stop signal this process received (0: none yet).
+received_signal = 0
 
 
-def make_model(hidden, dim=20):
-    # Dropout draws random numbers every step: the snapshot must hold each rank's RNG state.
-    return nn.Sequential(
-        nn.Linear(dim, hidden),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, 1),
-    )
+def on_stop_signal(signum, frame):
+    """Only note it: the ranks stop together, at a step they agree on (Trainer._agree_to_stop)."""
+    global received_signal
+    received_signal = signum
 
 
 def rng_state(device):
@@ -142,117 +134,182 @@ def rng_state(device):
     return state
 
 
+def snapshot_exists(path, ddp):
+    """Do all ranks see the snapshot? They must agree: with node-local disks, or a network file
+    system caching 'no such file', some ranks would resume and the others start from scratch,
+    and the job would hang in a collective at the first step they disagree on."""
+    seen = torch.tensor([float(os.path.isfile(path))], device=ddp.device)
+    dist.all_reduce(seen)  # DDP: how many ranks see the file (once, at start)
+    count = int(seen.item())
+    if 0 < count < ddp.world_size:
+        fail(
+            f"{path} is seen by {count} of {ddp.world_size} ranks: every rank must read the "
+            "snapshot (put --checkpoint-dir on a file system all nodes share)",
+            rank0_only=True,
+        )
+    return count == ddp.world_size
+
+
 class Trainer:
-    """Trains from wherever the snapshot says, and snapshots where it is. Position = (epoch,
-    batch): the next batch to train; a snapshot is always taken between two steps."""
+    """Trains from wherever the snapshot says, and snapshots where it is. The position in an
+    epoch is counted in global samples: the next optimizer step trains positions
+    samples .. samples + global batch of the epoch's shuffle, whatever the world size."""
 
     def __init__(self, args, ddp, train_set):
-        self.args, self.ddp, self.train_set = args, ddp, train_set
+        self.args = args
+        self.ddp = ddp
+        self.train_set = train_set
         self.on_gpu = ddp.device.type == "cuda"
         # bf16 autocast where the GPU really has bf16 (no loss scaling needed); fp32 elsewhere.
         self.bf16 = self.on_gpu and torch.cuda.is_bf16_supported(including_emulation=False)
         set_seed(args.seed)  # the same initial weights on every rank
-        model = make_model(args.hidden).to(ddp.device)
+        model = make_model(args.hidden, args.dropout).to(ddp.device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
-        # DDP: the same shuffle seed on every rank and every restart; set_epoch() varies it by epoch.
+        # DDP: the same shuffle seed on every rank and restart; set_epoch() varies it by epoch.
         self.sampler = DistributedSampler(
             train_set, num_replicas=ddp.world_size, rank=ddp.rank, shuffle=True, seed=args.seed
         )
-        self.steps_per_epoch = -(-len(self.sampler) // args.batch_size)
-        self.total_steps = args.epochs * self.steps_per_epoch
-        self.epoch = self.batch = 0
-        self.history = {"starts": [], "losses": []}  # (restart, step) of every start; epoch losses
+        self.epoch = 0
+        # Global samples trained in this epoch (all attempts), and by this rank in this attempt.
+        self.samples = 0
+        self.carried = 0
+        self.seen = 0
+        self.history = {"starts": [], "losses": [], "samples": []}
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # DDP: set by torchrun
         self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        # The stop signal the ranks agreed on (0: none).
+        self.stop_signal = 0
         if ddp.is_main:  # a save killed half-way leaves its temp file behind: tidy up
-            for leftover in glob.glob(glob.escape(args.snapshot) + ".tmp*"):
+            for leftover in glob.glob(glob.escape(args.snapshot) + ".*.tmp"):
                 os.remove(leftover)
-        if os.path.exists(args.snapshot):
+        self.global_batch = args.global_batch_size
+        if snapshot_exists(args.snapshot, ddp):
             self._load_snapshot(model)
         else:
             set_seed(args.seed, ddp.rank)  # per-rank randomness (dropout) from here on
+        if self.global_batch == 0:
+            self.global_batch = args.batch_size * ddp.world_size
+        self.accum = self.global_batch // (args.batch_size * ddp.world_size)
+        if self.global_batch % (args.batch_size * ddp.world_size):
+            fail(
+                f"--global-batch-size {self.global_batch} is not a multiple of world size "
+                f"{ddp.world_size} x --batch-size {args.batch_size}: pick a --batch-size that "
+                "divides it",
+                rank0_only=True,
+            )
+        # An epoch is whole global batches: a remainder (another one each epoch) is left out.
+        self.steps_per_epoch = len(train_set) // self.global_batch
+        if self.steps_per_epoch == 0:
+            fail(f"--samples {len(train_set)} is less than one global batch ({self.global_batch})")
+        self.total_steps = args.epochs * self.steps_per_epoch
         # DDP: wrap after loading; DDP broadcasts rank 0's weights to all ranks at construction.
         self.model = DDP(model, device_ids=[ddp.device.index] if self.on_gpu else None)
 
     @property
     def step(self):
-        return self.epoch * self.steps_per_epoch + self.batch
+        return self.epoch * self.steps_per_epoch + self.samples // self.global_batch
 
     def _load_snapshot(self, model):
-        a, ddp = self.args, self.ddp
+        a = self.args
+        ddp = self.ddp
         # To the CPU first: load_state_dict copies each tensor to its parameter's device.
         snap = load_checkpoint(a.snapshot, "cpu", model=model, optimizer=self.optimizer)
-        self.epoch, self.batch, self.history = snap["epoch"], snap["batch"], snap["history"]
+        if self.global_batch not in (0, snap["global_batch_size"]):
+            fail(
+                f"{a.snapshot} was trained with --global-batch-size {snap['global_batch_size']}, "
+                f"not {self.global_batch}: resume with the same global batch, or start afresh "
+                "in another --checkpoint-dir",
+                rank0_only=True,
+            )
+        self.global_batch = snap["global_batch_size"]
+        self.epoch = snap["epoch"]
+        self.samples = snap["samples"]
+        self.carried = snap["seen"]
+        self.history = snap["history"]
         if (snap["world_size"], snap["batch_size"]) == (ddp.world_size, a.batch_size):
             # DDP: each rank takes back its own RNG state (rank 1's dropout is not rank 0's).
             torch.set_rng_state(snap["rng"][ddp.rank]["cpu"].cpu())
             if self.on_gpu and "cuda" in snap["rng"][ddp.rank]:
                 torch.cuda.set_rng_state(snap["rng"][ddp.rank]["cuda"].cpu(), ddp.device)
-        else:  # elastic resize: shards and steps differ, so restart the epoch with fresh seeds
-            print0(
-                f"warning: snapshot made with world {snap['world_size']} x batch "
-                f"{snap['batch_size']}, now {ddp.world_size} x {a.batch_size}: epoch "
-                f"{self.epoch + 1} restarts from its first batch and the RNG is reseeded"
-            )
-            self.batch = 0
-            set_seed(a.seed + 1000 * (self.restart + 1), ddp.rank)
+        else:
+            # Another world size: the same samples in the same steps, but the ranks' random
+            # streams cannot be split anew. Dropout draws fresh numbers, seeded by the step.
+            set_seed(a.seed + 1000 * (snap["step"] + 1), ddp.rank)
         print0(
-            f"resumed: {a.snapshot} | epoch {self.epoch + 1}/{a.epochs} | batch "
-            f"{self.batch}/{self.steps_per_epoch} | step {self.step}/{self.total_steps} | "
-            f"restart {self.restart}/{self.max_restarts}"
+            f"resumed: {a.snapshot} | epoch {self.epoch + 1}/{a.epochs} | samples "
+            f"{self.samples}/{len(self.train_set)} | step {snap['step']} | world "
+            f"{snap['world_size']} -> {ddp.world_size} | restart {self.restart}/{self.max_restarts}"
         )
 
     def _save_snapshot(self):
-        # DDP: gather every rank's RNG state, so each can take its own back after a restart.
-        rngs = [None] * self.ddp.world_size
-        dist.all_gather_object(rngs, rng_state(self.ddp.device))
+        # DDP: gather every rank's RNG state (so each can take its own back after a restart) and
+        # its count of samples trained, so the snapshot knows how many the epoch has seen.
+        per_rank = [None] * self.ddp.world_size
+        dist.all_gather_object(per_rank, (rng_state(self.ddp.device), self.seen))
         snapshot = {
             "model": self.model.module.state_dict(),  # DDP: the bare model, no 'module.'
             "optimizer": self.optimizer.state_dict(),
             "epoch": self.epoch,
-            "batch": self.batch,
+            "samples": self.samples,
+            "seen": self.carried + sum(seen for _, seen in per_rank),
             "step": self.step,
-            "rng": rngs,
+            "rng": [rng for rng, _ in per_rank],
             "history": self.history,
             "world_size": self.ddp.world_size,
             "batch_size": self.args.batch_size,
+            "global_batch_size": self.global_batch,
         }
         save_checkpoint(snapshot, self.args.snapshot)  # DDP: every rank calls; rank 0 writes
-        print0(
-            f"saved: {self.args.snapshot} | epoch {self.epoch + 1 if self.batch else self.epoch}"
-            f"/{self.args.epochs} | step {self.step}/{self.total_steps}"
-        )
+        print0(f"saved: {self.args.snapshot} | step {self.step}/{self.total_steps}")
 
-    def _maybe_fail(self):
-        """--fail-at-step: die like a real crash would (SIGKILL: no exception, no cleanup)."""
-        a = self.args
-        marker = a.snapshot + ".failed"
-        if self.step != a.fail_at_step or self.ddp.rank != a.fail_rank or os.path.exists(marker):
-            return
-        with open(marker, "w") as f:  # remember, so the restarted worker does not die again
-            f.write(f"rank {a.fail_rank} killed itself at step {self.step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        print(
-            f"fail: rank {self.ddp.rank} | step {self.step} | SIGKILL (--fail-at-step)", flush=True
-        )
-        os.kill(os.getpid(), signal.SIGKILL)
+    def _agree_to_stop(self):
+        """Did any rank get a stop signal? Every rank must answer the same at the same step, or
+        one would wait forever in the next step's all-reduce. One all-reduce of the signal number
+        does it. It is a host sync (on a GPU, .item() waits for the queued work), so it runs every
+        --stop-check-every steps, at step numbers all ranks share, not every step: the stop then
+        comes up to that many steps late, which must fit in the launcher's grace period."""
+        if self.step % self.args.stop_check_every != 0:
+            return False
+        flag = torch.tensor([float(received_signal)], device=self.ddp.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # DDP: the same answer on every rank
+        self.stop_signal = int(flag.item())
+        return self.stop_signal != 0
 
-    def _run_batch(self, x, y):
-        x, y = x.to(self.ddp.device, non_blocking=True), y.to(self.ddp.device, non_blocking=True)
-        with torch.autocast(self.ddp.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            out = self.model(x)
-        loss = F.mse_loss(out.float(), y)
+    def _train_step(self, micro_batches):
+        """One optimizer step over this rank's micro-batches; returns the mean loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP: gradients are averaged across ranks during backward
+        loss_sum = torch.zeros((), device=self.ddp.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x = x.to(self.ddp.device, non_blocking=True)
+            y = y.to(self.ddp.device, non_blocking=True)
+            # DDP: no_sync() keeps the gradients local; the last micro-batch's backward
+            # all-reduces the sum of them all (averaged across ranks).
+            sync = contextlib.nullcontext()
+            if i < len(micro_batches) - 1:
+                sync = self.model.no_sync()
+            with sync:
+                with torch.autocast(self.ddp.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    out = self.model(x)
+                # Each micro-batch weighs 1/accum: the step's gradient is the global batch's mean.
+                loss = F.mse_loss(out.float(), y) / len(micro_batches)
+                loss.backward()
+            loss_sum += loss.detach()
+            self.seen += len(x)
         self.optimizer.step()
-        return loss.detach()
+        return loss_sum
 
     def _run_epoch(self):
-        a, ddp = self.args, self.ddp
+        """Trains the rest of the epoch; returns its mean loss and the samples it trained,
+        or None when the ranks agreed to stop or --max-steps was reached."""
+        a = self.args
+        ddp = self.ddp
         self.sampler.set_epoch(self.epoch)  # DDP: this epoch's shuffle, identical after a restart
-        # Resuming mid-epoch: skip the batches the snapshot already trained on.
-        order = list(self.sampler)[self.batch * a.batch_size :]
+        # DDP: rank r holds positions r, r + world, r + 2 world, ... of the epoch's shuffle, so the
+        # global positions s .. s + G are this rank's s / world .. (s + G) / world: taken in
+        # order, this rank's micro-batches of a step are its share of the same global batch.
+        first = self.samples // ddp.world_size
+        last = self.steps_per_epoch * self.global_batch // ddp.world_size
+        order = list(self.sampler)[first:last]
         # Its own generator: each new DataLoader iterator draws a seed from the global RNG
         # otherwise, and a resumed run (new loader mid-epoch) would draw it one time too many.
         loader = DataLoader(
@@ -262,37 +319,61 @@ class Trainer:
             pin_memory=self.on_gpu,
             generator=torch.Generator(),
         )
-        loss_sum, n = torch.zeros((), device=ddp.device), 0
+        loss_sum = torch.zeros((), device=ddp.device)
+        steps = 0
+        micro_batches = []
         for x, y in loader:
-            loss_sum += self._run_batch(x, y)  # stays on the device: no host sync per step
-            n += 1
-            self.batch += 1
-            self._maybe_fail()
+            micro_batches.append((x, y))
+            if len(micro_batches) < self.accum:
+                continue
+            loss_sum += self._train_step(micro_batches)  # stays on the device: no host sync
+            micro_batches = []
+            steps += 1
+            self.samples += self.global_batch
+            maybe_fail(a, self.step, ddp.rank)
             if a.step_delay:
                 time.sleep(a.step_delay)
-            if (
-                a.save_every and self.step % a.save_every == 0 and self.batch < self.steps_per_epoch
-            ):  # the epoch's end saves anyway
+            if self._agree_to_stop() or self.step == a.max_steps:
+                return None
+            end_of_epoch = self.samples == self.steps_per_epoch * self.global_batch
+            # The epoch's end saves anyway.
+            if a.save_every and self.step % a.save_every == 0 and not end_of_epoch:
                 self._save_snapshot()
-        self.epoch, self.batch = self.epoch + 1, 0
-        totals = torch.stack([loss_sum, torch.tensor(float(n), device=ddp.device)])
-        dist.all_reduce(totals)  # DDP: the mean loss over all ranks (a host sync once per epoch)
-        return (totals[0] / totals[1].clamp(min=1)).item(), n
+        counts = torch.tensor([steps, self.seen], device=ddp.device, dtype=loss_sum.dtype)
+        totals = torch.cat([loss_sum.reshape(1), counts])
+        dist.all_reduce(totals)  # DDP: loss and samples over all ranks (a host sync per epoch)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        samples = self.carried + int(totals[2].item())
+        self.epoch += 1
+        self.samples = 0
+        self.carried = 0
+        self.seen = 0
+        return loss, samples
 
     def train(self):
+        """Trains until the last epoch, --max-steps, or an agreed stop; returns the seconds and
+        the steps of this attempt."""
         a = self.args
-        self.history["starts"].append([self.restart, self.step])
-        t_start, start_step = time.perf_counter(), self.step
-        while self.epoch < a.epochs:
+        self.history["starts"].append([self.restart, self.step, self.ddp.world_size])
+        t_start = time.perf_counter()
+        start_step = self.step
+        while self.epoch < a.epochs and not (a.max_steps and self.step >= a.max_steps):
             t0 = time.perf_counter()
-            loss, n = self._run_epoch()
+            result = self._run_epoch()
+            if result is None:
+                # Stopped mid-epoch: the snapshot is where the next launch goes on.
+                self._save_snapshot()
+                break
+            loss, samples = result
             self.history["losses"].append(loss)
+            self.history["samples"].append(samples)
             now = time.perf_counter()
-            eta = (self.total_steps - self.step) * (now - t_start) / max(1, self.step - start_step)
+            rate = (self.step - start_step) / (now - t_start)
+            eta = (self.total_steps - self.step) / max(rate, 1e-9)
             print0(
                 f"epoch {self.epoch}/{a.epochs} | step {self.step}/{self.total_steps} | "
-                f"loss {loss:.4f} | {n * a.batch_size * self.ddp.world_size / (now - t0):.0f} samples/s"
-                f" | eta {datetime.timedelta(seconds=round(eta))}"
+                f"loss {loss:.4f} | samples {samples} | {samples / (now - t0):.0f} samples/s | "
+                f"eta {datetime.timedelta(seconds=round(eta))}"
             )
             self._save_snapshot()  # every epoch end: a restart loses at most one epoch
         return time.perf_counter() - t_start, self.step - start_step
@@ -302,14 +383,18 @@ def lost_peer(error):
     """Did a collective fail because another rank went away? (gloo raises a plain RuntimeError
     from inside backward; newer code raises dist.DistError.)"""
     text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        s in text
-        for s in ("Connection closed by peer", "Connection reset by peer", "remote worker", "NCCL")
-    )
+    if isinstance(error, dist.DistError):
+        return True
+    # A peer cut off the network closes nothing: gloo's collective times out instead.
+    signs = ("Connection closed by", "Connection reset by", "remote worker", "Timed out", "NCCL")
+    return any(sign in text for sign in signs)
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
+    # First thing: a signal that comes while the group forms is kept for the first check.
+    for sig in args.signals:
+        signal.signal(sig, on_stop_signal)
     ddp = setup(args.backend)  # DDP: join the process group (a fresh one on every restart)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
         print0(
@@ -318,16 +403,18 @@ def main():
         )
     trainer = Trainer(args, ddp, make_dataset(args.samples, args.seed))
     print0(
-        f"start: samples {args.samples} | world {ddp.world_size} | backend {ddp.backend} | device "
-        f"{ddp.device.type} | batch {args.batch_size}/rank, {args.batch_size * ddp.world_size} global"
-        f" | steps {trainer.step}/{trainer.total_steps} | restart {trainer.restart}/{trainer.max_restarts}"
+        f"start: samples {args.samples} | world {ddp.world_size} | backend {ddp.backend} | "
+        f"device {ddp.device.type} | batch {args.batch_size}/rank | accum {trainer.accum} | "
+        f"global batch {trainer.global_batch} | step {trainer.step}/{trainer.total_steps} | "
+        f"restart {trainer.restart}/{trainer.max_restarts}"
     )
     try:
         seconds, steps = trainer.train()
     except RuntimeError as e:  # another rank died: this one cannot go on alone
         if not lost_peer(e):
             raise
-        reason = re.sub(r"^\[[^]]*\] *", "", str(e)).split(". ")[0][:120]  # drop gloo's file:line
+        # Drop gloo's [file:line] prefix; keep the first sentence.
+        reason = re.sub(r"^\[[^]]*\] *", "", str(e)).split(". ")[0][:120]
         fail(
             f"rank {ddp.rank} lost the other ranks at step {trainer.step} "
             f"({reason}). torchrun restarts all workers if restarts are left "
@@ -335,15 +422,26 @@ def main():
             f"{args.snapshot}",
             code=1,
         )
-    losses = trainer.history["losses"]
-    print0(
-        f"done: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
-        f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1] if losses else float('nan'):.4f} "
-        f"(first epoch {losses[0] if losses else float('nan'):.4f}) | restarts {trainer.restart} | "
-        f"steps this attempt {steps} | time {seconds:.1f}s"
-    )
+    stop_signal = trainer.stop_signal
+    if stop_signal:
+        print0(
+            f"preempted: signal {signal.Signals(stop_signal).name} | step "
+            f"{trainer.step}/{trainer.total_steps} | snapshot {args.snapshot}"
+        )
+    else:
+        losses = trainer.history["losses"] or [float("nan")]
+        print0(
+            f"done: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
+            f"epochs {trainer.epoch} | steps {trainer.step} | loss {losses[-1]:.4f} (first epoch "
+            f"{losses[0]:.4f}) | restarts {trainer.restart} | steps this attempt {steps} | "
+            f"time {seconds:.1f}s"
+        )
     del trainer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
     cleanup()
+    if stop_signal:
+        # DDP: 128 + the signal, as a shell reports a process killed by it: the launcher (and
+        # Slurm) see a run that did not finish, and the same command resumes it.
+        sys.exit(128 + stop_signal)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,23 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
-from conftest import assert_ok, cpu_env, error_lines, run_python, run_torchrun, torchrun_cmd
+from conftest import (
+    ROOT,
+    assert_ok,
+    cpu_env,
+    error_lines,
+    free_port,
+    run,
+    run_python,
+    run_torchrun,
+    run_torchrun_nodes,
+    torchrun_cmd,
+)
 
 import multi_gpu_torchrun
 
@@ -54,11 +66,11 @@ def assert_same_state(a, b):
 
 
 # Restarts for runs that must succeed: the kill tests need 1. The rest absorb a rare abort of a
-# gloo worker at process exit *after* training finished and the last snapshot was written ("terminate
-# called without an active exception", SIGABRT; a few in 100 runs on torch 2.14.1, with or
-# without a kill). The extra attempt loads the finished snapshot, trains and saves nothing and
-# prints a second done: line; the snapshot and its history are unchanged by it, and a real second
-# restart would show in the history.
+# gloo worker at process exit *after* training finished and the last snapshot was written
+# ("terminate called without an active exception", SIGABRT; a few in 100 runs on torch 2.14.1,
+# with or without a kill). The extra attempt loads the finished snapshot, trains and saves
+# nothing and prints a second done: line; the snapshot and its history are unchanged by it, and
+# a real second restart would show in the history.
 RESTARTS = ["--max-restarts=2"]
 
 
@@ -79,8 +91,9 @@ def baseline(tmp_path_factory):
 
 
 def test_uninterrupted_run_learns(baseline):
-    assert baseline["history"]["starts"] == [[0, 0]]
-    assert (baseline["epoch"], baseline["batch"], baseline["step"]) == (3, 0, 24)
+    assert baseline["history"]["starts"] == [[0, 0, 2]]
+    assert (baseline["epoch"], baseline["samples"], baseline["step"]) == (3, 0, 24)
+    assert baseline["history"]["samples"] == [256, 256, 256]
     losses = baseline["history"]["losses"]
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], losses
 
@@ -102,7 +115,7 @@ def test_fail_at_step_restarts_and_matches_uninterrupted(tmp_path, baseline):
     snap = load(tmp_path / "snapshot.pt")
     # Attempt 0 started at step 0; rank 1 died after step 11; attempt 1 resumed at the last
     # snapshot before that, step 9 (saves every 3 steps) - not from scratch.
-    assert snap["history"]["starts"] == [[0, 0], [1, 9]]
+    assert snap["history"]["starts"] == [[0, 0, 2], [1, 9, 2]]
     assert (tmp_path / "snapshot.pt.failed").exists()
     assert_same_state(snap, baseline)
 
@@ -196,12 +209,13 @@ def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_pat
     )
     caught = None
     deadline = time.monotonic() + TIMEOUT
+    writer = wait_for(lambda: worker_pid(proc.pid, rank=0), proc)
     while caught is None and time.monotonic() < deadline and proc.poll() is None:
-        temps = glob.glob(str(path) + ".tmp*") if path.exists() else []
+        # save_checkpoint writes <path>.<random>.tmp, then renames it to <path>.
+        temps = glob.glob(glob.escape(str(path)) + ".*.tmp") if path.exists() else []
         if not temps:
             time.sleep(0.001)
             continue
-        writer = int(temps[0].rsplit(".tmp", 1)[1])  # save_checkpoint names it <path>.tmp<pid>
         os.kill(writer, signal.SIGSTOP)
         if os.path.exists(temps[0]):  # still writing (not yet renamed): caught mid-write
             caught = (writer, load(path)["step"], temps[0])
@@ -226,48 +240,101 @@ def test_kill_mid_write_then_kill_9_each_restart_and_match_uninterrupted(tmp_pat
     assert done_lines(r)
     snap = load(path)
     starts = snap["history"]["starts"]
-    assert starts[:2] == [[0, 0], [1, step_on_disk]], starts
+    assert starts[:2] == [[0, 0, 2], [1, step_on_disk, 2]], starts
     assert len(starts) == 3 and starts[2][0] == 2 and seen <= starts[2][1] < 24, (seen, starts)
-    assert not glob.glob(str(path) + ".tmp*")  # the restarted rank 0 removed the torn temp file
+    # The restarted rank 0 removed the torn temp file.
+    assert not glob.glob(glob.escape(str(path)) + ".*.tmp")
     assert_same_state(snap, baseline)
 
 
+LOADED = {}  # path -> (mtime, snapshot): saved_by_attempt loads a file once per change
+
+
+def saved_by_attempt(path, attempt, after_step):
+    """The snapshot's step once the attempt-th launch or restart (1-based) saved one past
+    after_step, else None. Loads the file only when it changed."""
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return None
+    if LOADED.get(path, (None,))[0] != stamp:
+        try:
+            LOADED[path] = (stamp, load(path))
+        except Exception:  # being replaced
+            return None
+    snap = LOADED[path][1]
+    if len(snap["history"]["starts"]) == attempt and snap["step"] > after_step:
+        return snap["step"]
+    return None
+
+
+def preempted_step(result, name):
+    """The step of the one `preempted: signal NAME | step S/T | snapshot P` line."""
+    lines = [line for line in result.stdout.splitlines() if line.startswith("preempted:")]
+    assert len(lines) == 1 and not done_lines(result), result.stdout[-3000:]
+    match = re.match(rf"preempted: signal {name} \| step (\d+)/24 \| snapshot ", lines[0])
+    assert match, lines
+    return int(match.group(1))
+
+
 @pytest.mark.slow
-def test_no_restarts_fails_clearly_then_a_relaunch_resumes(tmp_path, baseline):
+def test_no_restarts_fails_clearly_preemptions_save_and_relaunches_resume(tmp_path, baseline):
+    """Four launches of one command, without restarts: a crash, a SIGUSR1 to the workers (what
+    Slurm's --signal sends), a SIGTERM to torchrun (a spot instance reclaimed, `kill`), then a
+    clean finish. Each launch resumes where the last left off; the end equals the uninterrupted
+    run bitwise."""
     path = tmp_path / "snapshot.pt"
-    r = run_torchrun(
-        SCRIPT,
-        *RUN,
-        "--checkpoint-dir",
-        tmp_path,
-        "--fail-at-step",
-        "11",
-        timeout=TIMEOUT,
-        extra=["--max-restarts=0"],
-    )
+    # --stop-check-every 2: the ranks look for a stop signal every 2 steps (the default, 10, would
+    # outlast this 24-step run); --step-delay: 0.1 s a step, so the signals land mid-run.
+    command = [*RUN, "--checkpoint-dir", tmp_path, "--fail-at-step", "11"]
+    command += ["--stop-check-every", "2", "--step-delay", "0.1"]
+    no_restarts = ["--max-restarts=0"]
+    r = run_torchrun(SCRIPT, *command, timeout=TIMEOUT, extra=no_restarts)
     assert r.returncode != 0
     assert not done_lines(r)
-    # Who says it first is a race: rank 0 (it noticed the lost peer) or torchrun (it stopped rank 0 first,
-    # and names the failed rank and its signal). One of them must, in one place.
+    # Who says it first is a race: rank 0 (it noticed the lost peer) or torchrun (it stopped rank
+    # 0 first, and names the failed rank and its signal). One of them must, in one place.
     ours = any(line.startswith("error: rank 0 lost the other ranks") for line in error_lines(r))
-    assert ours or re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", r.stderr), r.stderr[
-        -3000:
-    ]
+    killed = re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", r.stderr)
+    assert ours or killed, r.stderr[-3000:]
     assert load(path)["step"] == 9  # the last snapshot survives the failed job
-    # Launched again (the marker stops a second suicide), the job resumes and ends the same.
-    r = run_torchrun(
-        SCRIPT,
-        *RUN,
-        "--checkpoint-dir",
-        tmp_path,
-        "--fail-at-step",
-        "11",
-        timeout=TIMEOUT,
-        extra=RESTARTS,
-    )
+
+    # Launched again (the marker stops a second suicide); SIGUSR1 to both workers once this
+    # launch has saved: each rank finishes its step, they agree on where to stop, rank 0 saves,
+    # and every rank exits 128 + 10.
+    proc = start_torchrun(*command, extra=no_restarts)
+    wait_for(lambda: saved_by_attempt(path, 2, 9), proc)
+    for rank in (0, 1):
+        os.kill(worker_pid(proc.pid, rank), signal.SIGUSR1)
+    r = finish(proc)
+    assert r.returncode != 0
+    assert re.search(r"exitcode\s*: 138", r.stderr), r.stderr[-3000:]
+    first_stop = preempted_step(r, "SIGUSR1")
+    assert 9 < first_stop < 24 and load(path)["step"] == first_stop
+
+    # Again; SIGTERM to torchrun itself: it forwards the signal to its workers and waits
+    # (--shutdown-timeout, 30 s by default) before it SIGKILLs them.
+    proc = start_torchrun(*command, extra=no_restarts)
+    wait_for(lambda: saved_by_attempt(path, 3, first_stop), proc)
+    signalled = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    r = finish(proc)
+    print(f"torchrun exited {time.monotonic() - signalled:.1f} s after its SIGTERM")
+    assert r.returncode != 0
+    second_stop = preempted_step(r, "SIGTERM")
+    assert first_stop < second_stop < 24 and load(path)["step"] == second_stop
+
+    # The same command once more: it resumes and ends where the uninterrupted run ends.
+    r = run_torchrun(SCRIPT, *command, timeout=TIMEOUT, extra=no_restarts)
     assert_ok(r)
     snap = load(path)
-    assert snap["history"]["starts"] == [[0, 0], [0, 9]]
+    assert snap["history"]["starts"] == [
+        [0, 0, 2],
+        [0, 9, 2],
+        [0, first_stop, 2],
+        [0, second_stop, 2],
+    ]
+    assert snap["history"]["samples"] == [256, 256, 256]
     assert_same_state(snap, baseline)
 
 
@@ -280,6 +347,10 @@ def test_no_restarts_fails_clearly_then_a_relaunch_resumes(tmp_path, baseline):
         ["3", "1"],  # the old positional TOTAL_EPOCHS SAVE_EVERY
         ["--batch-size", "0"],
         ["--fail-at-step", "-1"],
+        ["--global-batch-size", "-64"],
+        ["--stop-check-every", "0"],
+        ["--preempt-signals", "SIGKILL"],  # cannot be caught
+        ["--dropout", "1"],
     ],
 )
 def test_bad_arguments_one_error_line(args, capsys, monkeypatch):
@@ -302,7 +373,7 @@ def test_bad_argument_from_the_command_line_is_one_clean_line():
 
 @pytest.mark.parametrize("rank,lines", [("0", 1), ("1", 0)])
 def test_bad_fail_rank_under_torchrun_one_error_line(rank, lines, capsys, monkeypatch):
-    """Every torchrun worker parses the flags: rank 0 prints the mistake, the others exit quietly."""
+    """Every torchrun worker parses the flags: rank 0 prints the mistake, the others exit."""
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as e:
@@ -316,10 +387,24 @@ def test_bad_fail_rank_under_torchrun_one_error_line(rank, lines, capsys, monkey
 
 def test_snapshot_from_another_model_is_one_error_line(tmp_path, baseline):
     torch.save(baseline, tmp_path / "snapshot.pt")
-    r = run_torchrun(
-        SCRIPT, *RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path, timeout=TIMEOUT, nproc=1
-    )
+    # One process with the variables torchrun would set: no agent needed to read the error.
+    env = cpu_env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    argv = [*RUN[:-4], "--hidden", "64", "--checkpoint-dir", tmp_path]
+    r = run([sys.executable, ROOT / SCRIPT, *argv], timeout=TIMEOUT, env=env)
     assert r.returncode != 0
     assert error_lines(r) and all("does not match" in line for line in error_lines(r)), r.stderr[
         -3000:
     ]
+
+
+def test_ranks_that_disagree_on_the_snapshot_stop_in_one_line(tmp_path, baseline):
+    """Node-local disks (or a network file system caching 'no such file'): node 0 sees a
+    snapshot, node 1 does not. Resuming on one and starting afresh on the other would hang in a
+    collective; the ranks agree first, and stop with one line."""
+    (tmp_path / "node0").mkdir()
+    torch.save(baseline, tmp_path / "node0" / "snapshot.pt")
+    nodes = [[*RUN, "--checkpoint-dir", tmp_path / f"node{node}"] for node in (0, 1)]
+    results = run_torchrun_nodes(SCRIPT, nodes, timeout=TIMEOUT)
+    errors = [line for r in results for line in error_lines(r)]
+    assert all(r.returncode != 0 and not done_lines(r) for r in results), errors
+    assert len(errors) == 1 and "is seen by 1 of 2 ranks" in errors[0], errors
