@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
@@ -431,6 +432,7 @@ class Trainer:
         }
 
 
+@record
 def main(argv=None):
     """Train; returns the progress and final metrics (the tests call this under mp.spawn)."""
     args = parse_args(argv)

@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -390,6 +391,7 @@ def lost_peer(error):
     return any(sign in text for sign in signs)
 
 
+@record
 def main(argv=None):
     args = parse_args(argv)
     # First thing: a signal that comes while the group forms is kept for the first check.

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -317,6 +318,7 @@ def replica_checksums(model, ddp):
     return checksums
 
 
+@record
 def main():
     args = parse_args()
     # DDP: join the group: torchrun (or srun tasks) set RANK, LOCAL_RANK, WORLD_SIZE...
