@@ -30,6 +30,7 @@ from ddp_common import (
     fail,
     free_port,
     load_checkpoint,
+    long_barrier,
     pick_amp,
     print0,
     save_checkpoint,
@@ -390,6 +391,8 @@ def worker(rank, world_size, args, data):
         box = [None]
         if ddp.is_main:
             box = [prepare(args, ddp.world_size)]
+        # DDP: the others wait while rank 0 tokenizes, longer than a collective may.
+        long_barrier()
         # DDP: every rank gets rank 0's tokens and decisions.
         dist.broadcast_object_list(box, src=0)
         data = box[0]

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from ddp_common import fail, print0
+from ddp_common import fail, folder_lock, long_barrier, print0
 
 # CIFAR-10's channel statistics, for normalising its images.
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -84,13 +84,15 @@ def load_data(data, data_dir, subset, seed, ddp):
     if data != "synthetic":
         paths = [os.path.join(data_dir, CIFAR_DIR, name) for name in CIFAR_FILES]
         # Once per node: several ranks downloading into one folder corrupt it.
+        # Nodes that share one disk take turns (a lock file) rather than write the same files.
         if ddp.local_rank == 0 and not all(os.path.isfile(p) for p in paths):
             # Offline? Then the read below says what is missing.
-            with contextlib.suppress(Exception):
+            with folder_lock(data_dir), contextlib.suppress(Exception):
                 from torchvision.datasets import CIFAR10
 
                 CIFAR10(data_dir, train=True, download=True)
-        dist.barrier()  # DDP: the node's other ranks wait for its download
+        # DDP: the node's other ranks wait for its download, longer than a collective may.
+        long_barrier()
         try:
             files = read_cifar(data_dir)
         except Exception as e:
