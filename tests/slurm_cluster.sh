@@ -2,8 +2,10 @@
 # A real two-node Slurm on this one machine, for tests/test_slurm.py (and for trying the
 # sbatch scripts by hand). Needs root and apt-get (Debian/Ubuntu); no systemd or cgroups needed.
 #
-#   tests/slurm_cluster.sh start    install munge+Slurm if missing, start munged, slurmctld and two
-#                                   slurmd (node1, node2; 2 CPUs and 2 fake GPUs each), wait idle
+#   tests/slurm_cluster.sh install  install munge+Slurm with apt-get if missing (.ci/run starts
+#                                   this in the background, beside the Python install)
+#   tests/slurm_cluster.sh start    install if missing, start munged, slurmctld and two slurmd
+#                                   (node1, node2; 2 CPUs and 2 fake GPUs each), wait until idle
 #   tests/slurm_cluster.sh status   daemons and sinfo
 #   tests/slurm_cluster.sh stop     stop the daemons this script started (by pid file only)
 #
@@ -39,13 +41,20 @@ install_slurm() {
     [[ $(id -u) == 0 ]] || die "Slurm is not installed and installing it needs root"
     command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get to install it"
     export DEBIAN_FRONTEND=noninteractive
+    local packages=(munge slurmctld slurmd slurm-client)
+    # apt-get update (a minute on a slow mirror) only when the package lists do not know Slurm,
+    # or when they are stale: their .deb files are gone from the mirror and the install fails.
     if ! apt-cache show slurmctld >/dev/null 2>&1; then
         say "apt-get update"
         apt-get update -q >/dev/null || die "apt-get update failed"
     fi
-    say "installing munge and Slurm (apt-get)"
-    apt-get install -y -q --no-install-recommends munge slurmctld slurmd slurm-client >/dev/null \
-        || die "apt-get install munge slurmctld slurmd slurm-client failed"
+    say "installing ${packages[*]} (apt-get, without recommended packages)"
+    if ! apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null; then
+        say "apt-get install failed: apt-get update, then once more"
+        apt-get update -q >/dev/null || die "apt-get update failed"
+        apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null \
+            || die "apt-get install ${packages[*]} failed"
+    fi
 }
 
 add_hosts() {
@@ -84,10 +93,15 @@ MpiDefault=none
 # Finished jobs leave the controller after 5 s: sbatch --wait then returns within seconds.
 MinJobAge=5
 # The sbatch scripts derive their rendezvous port from the job id: two test clusters at once
-# must not hand out the same ids.
+# must not hand out the same ids (the tests start each at its cluster's own port).
 FirstJobId=${SLURM_TEST_FIRST_JOB_ID:-1}
 # Seconds between SIGTERM and SIGKILL when a step is killed (e.g. --kill-on-bad-exit).
 KillWait=5
+# A requeued job waits for the old run's step credentials to expire before it starts again
+# (cred_expire, 120 s by default), then for the main scheduling loop (sched_interval, 60 s):
+# a requeued test job would wait three minutes. Here, seconds.
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=1
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 StateSaveLocation=$DIR/state
@@ -191,10 +205,11 @@ status() {
 
 # Two test sessions (or pytest workers) at once share apt-get, /etc/hosts and munge: one at a time here.
 # (The daemons are started with fd 9 closed, or they would hold the lock for as long as they run.)
-[[ ${1:-} == start || ${1:-} == stop ]] && exec 9>/tmp/ddp-course-slurm.lock && flock 9
+[[ ${1:-} == install || ${1:-} == start || ${1:-} == stop ]] && exec 9>/tmp/ddp-course-slurm.lock && flock 9
 case "${1:-}" in
+    install) install_slurm ;;
     start) start ;;
     stop) stop_daemons; say "stopped" ;;
     status) status ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    *) echo "usage: $0 install|start|stop|status" >&2; exit 2 ;;
 esac
