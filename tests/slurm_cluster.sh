@@ -5,7 +5,7 @@
 #   tests/slurm_cluster.sh install  install munge+Slurm with apt-get if missing (.ci/run starts
 #                                   this in the background, beside the Python install)
 #   tests/slurm_cluster.sh start    install if missing, start munged, slurmctld and two slurmd
-#                                   (node1, node2; 2 CPUs and 2 fake GPUs each), wait until idle
+#                                   (node1, node2; 4 CPUs and 4 fake GPUs each), wait until idle
 #   tests/slurm_cluster.sh status   daemons and sinfo
 #   tests/slurm_cluster.sh stop     stop the daemons this script started (by pid file only)
 #
@@ -24,7 +24,10 @@ DIR=${SLURM_TEST_DIR:-/tmp/ddp-course-slurm}
 PORT=${SLURM_TEST_PORT:-16817}   # slurmctld's port; the two slurmd listen on PORT+1 and PORT+2
 CONF=$DIR/slurm.conf
 NODES=(node1 node2)
-CPUS=${SLURM_TEST_CPUS:-2}   # CPUs per node as Slurm sees them (tasks per node, at most)
+# CPUs and GPUs per node as Slurm sees them: room for two jobs of the sbatch scripts at once
+# (2 ranks per node each), so that the tests run the two scripts side by side.
+CPUS=${SLURM_TEST_CPUS:-4}
+GPUS=4
 MUNGE_PID=/run/munge/munged.pid
 
 say() { echo "slurm_cluster: $*" >&2; }
@@ -69,9 +72,9 @@ write_config() {
     local gres_lines="" i=0
     for n in "${NODES[@]}"; do
         # Fake GPUs: gres needs device files (a count-only gres leaves the node INVAL).
-        mknod "$DIR/dev/nvidia$i" c 1 3 && mknod "$DIR/dev/nvidia$((i + 1))" c 1 3
-        gres_lines+="NodeName=$n Name=gpu File=$DIR/dev/nvidia[$i-$((i + 1))]"$'\n'
-        i=$((i + 2))
+        for g in $(seq "$i" $((i + GPUS - 1))); do mknod "$DIR/dev/nvidia$g" c 1 3; done
+        gres_lines+="NodeName=$n Name=gpu File=$DIR/dev/nvidia[$i-$((i + GPUS - 1))]"$'\n'
+        i=$((i + GPUS))
     done
     printf '%s' "$gres_lines" >"$DIR/gres.conf"
     cat >"$CONF" <<EOF
@@ -111,7 +114,7 @@ SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 GresTypes=gpu
-NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=$CPUS Gres=gpu:2 State=UNKNOWN
+NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=$CPUS Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 EOF
 }

@@ -17,7 +17,16 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, assert_ok, cpu_env, error_lines, flat_tensors, run, run_torchrun
+from conftest import (
+    ROOT,
+    assert_ok,
+    cpu_env,
+    error_lines,
+    flat_tensors,
+    kill_tree,
+    run,
+    torchrun_cmd,
+)
 
 from multinode import params_sha256
 
@@ -26,13 +35,14 @@ SCRIPTS = {"train.sbatch": "torchrun", "train_srun.sbatch": "slurm"}
 # multinode.py plus the tests' fault injection and report (--crash-rank, --crash-at, --report).
 FAULTS = "tests/multinode_faults.py"
 # A job is still under way in these states (REQUEUED: on its way back to PENDING).
-UNDER_WAY = (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED")
+UNDER_WAY = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED")
 
 
-def submit(slurm, tmp_path, script, *args, options=(), ddp_timeout=60):
+def submit(slurm, job_dir, script, *args, options=(), ddp_timeout=60):
     """sbatch [options] from the repo root (so the job finds the .venv); returns (job id, output
-    file)."""
-    out = tmp_path / "job.out"
+    file in job_dir)."""
+    job_dir.mkdir(exist_ok=True)
+    out = job_dir / "job.out"
     env = cpu_env(DDP_TIMEOUT=ddp_timeout, **slurm)
     # --time: should a job hang anyway, Slurm itself ends it (a killed test would not). 10 min, so
     # that the scripts' warning signal (120-180 s before the limit) never reaches a test job.
@@ -56,31 +66,49 @@ def job_fields(slurm, job):
     return dict(f.split("=", 1) for f in show.split() if "=" in f)
 
 
-def wait_job(slurm, job, out, timeout, until=None):
-    """Poll the job every 0.2 s (sbatch --wait polls every 2 s: seconds per job) until it has ended
-    or, with `until`, its output holds that text. Returns the job's fields (JobState, ExitCode,
-    Restarts...). Past the timeout the job is cancelled and the test fails: it never hangs."""
+def wait_jobs(slurm, jobs, timeout, signal_at=None):
+    """Poll the jobs ({name: (job id, output file)}) together every 0.2 s until all have ended
+    (sbatch --wait polls every 2 s: seconds per job). With signal_at, each job's batch shell gets
+    SIGUSR1, once, as soon as the job's output holds that text (what Slurm sends before the time
+    limit). Returns {name: the job's fields (JobState, ExitCode, Restarts...)}. Past the timeout
+    the jobs are cancelled and the test fails: it never hangs."""
     deadline = time.monotonic() + timeout
-    fields = {}
-    while time.monotonic() < deadline:
-        fields = job_fields(slurm, job)
-        # (MinJobAge=5 keeps a finished job visible to scontrol for 5 s)
-        if fields.get("JobState") not in UNDER_WAY:
-            return fields
-        if until and out.exists() and until in out.read_text():
-            return fields
+    ended = {}
+    signalled = set()
+    while len(ended) < len(jobs) and time.monotonic() < deadline:
+        for name, (job, out) in jobs.items():
+            if name in ended:
+                continue
+            fields = job_fields(slurm, job)
+            # (MinJobAge=5 keeps a finished job visible to scontrol for 5 s: enough, polled here)
+            if "JobState" not in fields:
+                pytest.fail(f"{name}: job {job} left Slurm before its end was seen")
+            if fields["JobState"] not in UNDER_WAY:
+                ended[name] = fields
+            elif signal_at and name not in signalled and signal_at in read(out):
+                subprocess.run(
+                    ["scancel", "--signal=USR1", "--batch", job],
+                    env=cpu_env(**slurm),
+                    check=True,
+                    timeout=30,
+                )
+                signalled.add(name)
         time.sleep(0.2)
-    subprocess.run(["scancel", job], env=cpu_env(**slurm), timeout=30)
-    output = ""
-    if out.exists():
-        output = out.read_text()[-3000:]
-    waited_for = "to end"
-    if until:
-        waited_for = f"to print {until!r}"
-    pytest.fail(
-        f"job {job} still {fields.get('JobState')} after {timeout}s, waiting {waited_for}\n"
-        f"--- job output\n{output}"
-    )
+    if len(ended) < len(jobs):
+        left = [name for name in jobs if name not in ended]
+        for name in left:
+            subprocess.run(["scancel", jobs[name][0]], env=cpu_env(**slurm), timeout=30)
+        pytest.fail(
+            f"jobs {left} still under way after {timeout}s\n"
+            + "\n".join(f"--- {name}\n{read(jobs[name][1])[-3000:]}" for name in left)
+        )
+    return ended
+
+
+def read(path):
+    if path.exists():
+        return path.read_text()
+    return ""
 
 
 def job_result(fields):
@@ -88,14 +116,21 @@ def job_result(fields):
     return int(fields["ExitCode"].split(":")[0]) or int(fields["JobState"] != "COMPLETED")
 
 
-def sbatch(slurm, tmp_path, script, *args, ddp_timeout=60, timeout=300):
-    """Submit, wait for the job to end; returns (exit code, job output)."""
-    job, out = submit(slurm, tmp_path, script, *args, ddp_timeout=ddp_timeout)
-    fields = wait_job(slurm, job, out, timeout)
-    output = ""
-    if out.exists():
-        output = out.read_text()
-    return job_result(fields), output
+def run_side_by_side(slurm, tmp_path, args, options=None, ddp_timeout=60, timeout=300):
+    """The same job under both scripts at once (the test cluster has room for both): submit,
+    wait for both to end; returns {script: (exit code, job output)}."""
+    jobs = {}
+    for script in SCRIPTS:
+        jobs[script] = submit(
+            slurm,
+            tmp_path / script,
+            script,
+            *args(tmp_path / script),
+            options=(options or {}).get(script, ()),
+            ddp_timeout=ddp_timeout,
+        )
+    ended = wait_jobs(slurm, jobs, timeout)
+    return {script: (job_result(ended[script]), read(jobs[script][1])) for script in SCRIPTS}
 
 
 def table_rows(output):
@@ -135,84 +170,78 @@ def _check_job(report, output, launcher):
     assert sum(line.startswith("done:") for line in output.splitlines()) == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_sbatch_two_nodes(slurm, tmp_path, script):
-    report, ckpt = tmp_path / "report.json", tmp_path / "ckpt"
-    code, output = sbatch(
-        slurm,
-        tmp_path,
-        script,
-        FAULTS,
-        *SMALL,
-        "--epochs",
-        "2",
-        "--checkpoint-dir",
-        ckpt,
-        "--report",
-        report,
-    )
-    assert code == 0, output[-3000:]
-    check_job(report, output, SCRIPTS[script])
-    rep = json.loads(report.read_text())
-    snap = torch.load(ckpt / "multinode.pt", map_location="cpu", weights_only=True)
-    assert snap["epoch"] == 2 and params_sha256(snap["model"]) == rep["params_sha256"][0]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_crashing_rank_fails_the_job_fast(slurm, tmp_path, script):
-    """Rank 3 dies at start-up, before joining the process group. The other ranks would wait for
-    it in init_process_group for the whole 900 s timeout; srun --kill-on-bad-exit=1 must end the
-    job at once, with a non-zero exit code."""
-    t0 = time.monotonic()
-    code, output = sbatch(
-        slurm,
-        tmp_path,
-        script,
-        FAULTS,
-        *SMALL,
-        "--epochs",
-        "2",
-        "--crash-rank",
-        "3",
-        "--crash-at",
-        "start",
-        "--checkpoint-dir",
-        tmp_path / "ckpt",
-        ddp_timeout=900,
-        timeout=420,
-    )
-    elapsed = time.monotonic() - t0
-    assert code != 0, output
-    assert "error: rank 3 crashed on purpose" in output
-    assert not any(line.startswith("done:") for line in output.splitlines())
-    # Preemption handling must not requeue a job that failed on its own.
-    assert "requeue:" not in output
-    assert elapsed < 240, f"the job took {elapsed:.0f} s to fail"
-
-
-# Lesson 3 on 2 ranks: 2 epochs of 32 steps. --step-delay keeps the job training for 13 s or
-# more, so that the signal sent once training has started arrives before it ends.
-LESSON3 = ["--samples", "512", "--batch-size", "8", "--epochs", "2", "--hidden", "16"]
-# One rank on each node (the tests above check the layout of two): the options a user would pass
-# to sbatch to shrink a job; one CPU per rank, as in the uninterrupted run.
+# One rank on each node: the options a user would pass to sbatch to shrink a job, one CPU per rank.
 ONE_RANK_PER_NODE = {
     "train.sbatch": ["--gpus-per-node=1", "--cpus-per-task=1"],
     "train_srun.sbatch": ["--ntasks-per-node=1", "--gpus-per-node=1"],
 }
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Lesson 3's final weights after the same run on 2 ranks, never interrupted (torchrun on
-    this machine: the world size, not the launcher, decides the arithmetic)."""
-    ckpt = tmp_path_factory.mktemp("uninterrupted")
-    r = run_torchrun(
-        "multi_gpu_torchrun.py", *LESSON3, "--checkpoint-dir", ckpt, nproc=2, timeout=240
+@pytest.mark.slow
+def test_sbatch_two_nodes(slurm, tmp_path):
+    """Both scripts as written: 2 nodes x 2 ranks, each rank where its numbers say."""
+
+    def args(job_dir):
+        return [
+            FAULTS,
+            *SMALL,
+            "--epochs",
+            "2",
+            "--checkpoint-dir",
+            job_dir / "ckpt",
+            "--report",
+            job_dir / "report.json",
+        ]
+
+    for script, (code, output) in run_side_by_side(slurm, tmp_path, args).items():
+        assert code == 0, (script, output[-3000:])
+        report = tmp_path / script / "report.json"
+        check_job(report, output, SCRIPTS[script])
+        rep = json.loads(report.read_text())
+        snap = torch.load(
+            tmp_path / script / "ckpt" / "multinode.pt", map_location="cpu", weights_only=True
+        )
+        assert snap["epoch"] == 2, script
+        assert params_sha256(snap["model"]) == rep["params_sha256"][0], script
+
+
+@pytest.mark.slow
+def test_crashing_rank_fails_the_job_fast(slurm, tmp_path):
+    """Rank 1 (on the second node) dies at start-up, before joining the process group. Rank 0
+    would wait for it in init_process_group for the whole 900 s timeout; srun
+    --kill-on-bad-exit=1 must end the job at once, with a non-zero exit code."""
+
+    def args(job_dir):
+        return [
+            FAULTS,
+            *SMALL,
+            "--epochs",
+            "2",
+            "--crash-rank",
+            "1",
+            "--crash-at",
+            "start",
+            "--checkpoint-dir",
+            job_dir / "ckpt",
+        ]
+
+    t0 = time.monotonic()
+    results = run_side_by_side(
+        slurm, tmp_path, args, options=ONE_RANK_PER_NODE, ddp_timeout=900, timeout=420
     )
-    assert_ok(r)
-    return load_weights(ckpt)
+    elapsed = time.monotonic() - t0
+    for script, (code, output) in results.items():
+        assert code != 0, (script, output)
+        assert "error: rank 1 crashed on purpose" in output, (script, output)
+        assert not any(line.startswith("done:") for line in output.splitlines()), script
+        # The preemption trap must not requeue a job that failed by itself.
+        assert "requeue:" not in output, (script, output)
+    assert elapsed < 240, f"the jobs took {elapsed:.0f} s to fail"
+
+
+# Lesson 3 on 2 ranks: 2 epochs of 32 steps. --step-delay keeps a job training for 13 s or more,
+# so that the signal sent once training has started arrives before it ends.
+LESSON3 = ["--samples", "512", "--batch-size", "8", "--epochs", "2", "--hidden", "16"]
 
 
 def load_weights(ckpt):
@@ -221,43 +250,61 @@ def load_weights(ckpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_preempted_job_requeues_itself_and_ends_as_if_never_stopped(
-    slurm, tmp_path, script, uninterrupted
-):
-    """Slurm's warning signal mid-run (what --signal=B:USR1@120 sends before the time limit):
-    the batch shell passes it on, lesson 3 snapshots and exits, the job requeues itself, resumes
-    from the snapshot and ends with the uninterrupted run's weights, bit for bit."""
-    ckpt = tmp_path / "ckpt"
-    job, out = submit(
-        slurm,
-        tmp_path,
-        script,
-        "multi_gpu_torchrun.py",
-        *LESSON3,
-        "--step-delay",
-        "0.2",
-        "--checkpoint-dir",
-        ckpt,
-        options=ONE_RANK_PER_NODE[script],
+def test_preempted_job_requeues_itself_and_ends_as_if_never_stopped(slurm, tmp_path):
+    """Slurm's warning signal mid-run (what --signal=B:USR1@120 sends before the time limit), to
+    a lesson 3 job under each script: the batch shell passes it on, lesson 3 snapshots and exits,
+    the job requeues itself, resumes from the snapshot and ends with the weights of a run never
+    interrupted, bit for bit. That run (torchrun here, 2 ranks: the world size, not the launcher,
+    decides the arithmetic) and the two jobs run at once."""
+    reference = tmp_path / "uninterrupted"
+    uninterrupted = subprocess.Popen(
+        torchrun_cmd("multi_gpu_torchrun.py", *LESSON3, "--checkpoint-dir", reference),
+        cwd=ROOT,
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    fields = wait_job(slurm, job, out, timeout=240, until="start:")
-    assert fields.get("JobState") == "RUNNING", (fields.get("JobState"), out.read_text()[-3000:])
-    subprocess.run(
-        ["scancel", "--signal=USR1", "--batch", job], env=cpu_env(**slurm), check=True, timeout=30
-    )
-    fields = wait_job(slurm, job, out, timeout=300)
-    output = out.read_text()
-    assert job_result(fields) == 0 and fields["Restarts"] == "1", (fields, output[-4000:])
-    stopped = re.search(r"^preempted: signal SIGUSR1 \| step (\d+)/(\d+) \|", output, re.M)
-    assert stopped and 0 < int(stopped[1]) < int(stopped[2]), output[-4000:]
-    assert "requeue: job" in output and "requeued 1 times" in output, output[-4000:]
-    assert re.search(r"^resumed: ", output, re.M), output[-4000:]
-    assert sum(line.startswith("done:") for line in output.splitlines()) == 1, output[-4000:]
-    weights = load_weights(ckpt)
-    assert weights.keys() == uninterrupted.keys()
-    differ = [k for k in weights if not torch.equal(weights[k], uninterrupted[k])]
-    assert not differ, f"weights differ from the uninterrupted run: {differ}"
+    try:
+        jobs = {}
+        for script in SCRIPTS:
+            jobs[script] = submit(
+                slurm,
+                tmp_path / script,
+                script,
+                "multi_gpu_torchrun.py",
+                *LESSON3,
+                "--step-delay",
+                "0.2",
+                "--checkpoint-dir",
+                tmp_path / script / "ckpt",
+                options=ONE_RANK_PER_NODE[script],
+            )
+        # "start:": lesson 3 handles the signal from then on.
+        ended = wait_jobs(slurm, jobs, timeout=420, signal_at="start:")
+        outputs = {script: read(out) for script, (job, out) in jobs.items()}
+        for script, fields in ended.items():
+            assert job_result(fields) == 0 and fields["Restarts"] == "1", (
+                script,
+                fields,
+                outputs[script][-4000:],
+            )
+        log, _ = uninterrupted.communicate(timeout=240)
+        assert uninterrupted.returncode == 0, log[-3000:]
+    finally:
+        kill_tree(uninterrupted.pid)
+    expected = load_weights(reference)
+    for script, output in outputs.items():
+        stopped = re.search(r"^preempted: signal SIGUSR1 \| step (\d+)/(\d+) \|", output, re.M)
+        assert stopped and 0 < int(stopped[1]) < int(stopped[2]), (script, output[-4000:])
+        assert "requeue: job" in output and "requeued 1 times" in output, (script, output[-4000:])
+        assert re.search(r"^resumed: ", output, re.M), (script, output[-4000:])
+        assert sum(line.startswith("done:") for line in output.splitlines()) == 1, script
+        weights = load_weights(tmp_path / script / "ckpt")
+        assert weights.keys() == expected.keys(), script
+        differ = [k for k in weights if not torch.equal(weights[k], expected[k])]
+        assert not differ, f"{script}: weights differ from the uninterrupted run: {differ}"
 
 
 @pytest.mark.slow
