@@ -239,7 +239,7 @@ def test_crashing_rank_fails_the_job_fast(slurm, tmp_path):
     assert elapsed < 240, f"the jobs took {elapsed:.0f} s to fail"
 
 
-# Lesson 3 on 2 ranks: 2 epochs of 32 steps. --step-delay keeps a job training for 13 s or more,
+# Lesson 3 on 2 ranks: 2 epochs of 32 steps. --step-delay keeps a job training for 6 s or more,
 # so that the signal sent once training has started arrives before it ends.
 LESSON3 = ["--samples", "512", "--batch-size", "8", "--epochs", "2", "--hidden", "16"]
 
@@ -276,7 +276,7 @@ def test_preempted_job_requeues_itself_and_ends_as_if_never_stopped(slurm, tmp_p
                 "multi_gpu_torchrun.py",
                 *LESSON3,
                 "--step-delay",
-                "0.2",
+                "0.1",
                 "--checkpoint-dir",
                 tmp_path / script / "ckpt",
                 options=ONE_RANK_PER_NODE[script],
