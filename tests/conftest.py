@@ -386,6 +386,10 @@ def assert_clean_failure(result, code=None):
 # ---- a real two-node Slurm on this machine (lesson 4: test_slurm.py and test_readme.py) ----
 CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
 SLURM_ASKED = os.environ.get("DDP_COURSE_SLURM") == "1" or os.environ.get("CI") == "true"
+SLURM_OFF = (
+    "Slurm tests off: DDP_COURSE_SLURM=1 runs them (as root: tests/slurm_cluster.sh installs "
+    "munge+Slurm with apt-get, adds node1/node2 to /etc/hosts); CI=true does"
+)
 
 
 def cannot_start_reason():
@@ -402,10 +406,7 @@ def slurm():
     Only when asked: starting it installs munge and Slurm with apt-get and adds node1/node2 to
     /etc/hosts, nothing a test should do to a workstation unprompted. Asked and impossible fails."""
     if not SLURM_ASKED:
-        pytest.skip(
-            "Slurm tests off: DDP_COURSE_SLURM=1 runs them (as root: tests/slurm_cluster.sh "
-            "installs munge+Slurm with apt-get, adds node1/node2 to /etc/hosts); CI=true does"
-        )
+        pytest.skip(SLURM_OFF)
     reason = cannot_start_reason()
     if reason:
         pytest.fail(f"the Slurm tests were asked for (DDP_COURSE_SLURM=1 or CI=true), but {reason}")

@@ -19,6 +19,8 @@ import pytest
 import torch
 from conftest import (
     ROOT,
+    SLURM_ASKED,
+    SLURM_OFF,
     assert_ok,
     cpu_env,
     error_lines,
@@ -29,6 +31,10 @@ from conftest import (
 )
 
 from multinode import params_sha256
+
+if not SLURM_ASKED:
+    # One line for the whole file, rather than one per test.
+    pytest.skip(SLURM_OFF, allow_module_level=True)
 
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
 SCRIPTS = {"train.sbatch": "torchrun", "train_srun.sbatch": "slurm"}
