@@ -2,8 +2,10 @@
 # A real two-node Slurm on this one machine, for tests/test_slurm.py (and for trying the
 # sbatch scripts by hand). Needs root and apt-get (Debian/Ubuntu); no systemd or cgroups needed.
 #
-#   tests/slurm_cluster.sh start    install munge+Slurm if missing, start munged, slurmctld and two
-#                                   slurmd (node1, node2; 2 CPUs and 2 fake GPUs each), wait idle
+#   tests/slurm_cluster.sh install  install munge+Slurm with apt-get if missing (.ci/run starts
+#                                   this in the background, beside the Python install)
+#   tests/slurm_cluster.sh start    install if missing, start munged, slurmctld and two slurmd
+#                                   (node1, node2; 4 CPUs and 4 fake GPUs each), wait until idle
 #   tests/slurm_cluster.sh status   daemons and sinfo
 #   tests/slurm_cluster.sh stop     stop the daemons this script started (by pid file only)
 #
@@ -22,7 +24,10 @@ DIR=${SLURM_TEST_DIR:-/tmp/ddp-course-slurm}
 PORT=${SLURM_TEST_PORT:-16817}   # slurmctld's port; the two slurmd listen on PORT+1 and PORT+2
 CONF=$DIR/slurm.conf
 NODES=(node1 node2)
-CPUS=${SLURM_TEST_CPUS:-2}   # CPUs per node as Slurm sees them (tasks per node, at most)
+# CPUs and GPUs per node as Slurm sees them: room for two jobs of the sbatch scripts at once
+# (2 ranks per node each), so that the tests run the two scripts side by side.
+CPUS=${SLURM_TEST_CPUS:-4}
+GPUS=4
 MUNGE_PID=/run/munge/munged.pid
 
 say() { echo "slurm_cluster: $*" >&2; }
@@ -39,13 +44,20 @@ install_slurm() {
     [[ $(id -u) == 0 ]] || die "Slurm is not installed and installing it needs root"
     command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get to install it"
     export DEBIAN_FRONTEND=noninteractive
+    local packages=(munge slurmctld slurmd slurm-client)
+    # apt-get update (a minute on a slow mirror) only when the package lists do not know Slurm,
+    # or when they are stale: their .deb files are gone from the mirror and the install fails.
     if ! apt-cache show slurmctld >/dev/null 2>&1; then
         say "apt-get update"
         apt-get update -q >/dev/null || die "apt-get update failed"
     fi
-    say "installing munge and Slurm (apt-get)"
-    apt-get install -y -q --no-install-recommends munge slurmctld slurmd slurm-client >/dev/null \
-        || die "apt-get install munge slurmctld slurmd slurm-client failed"
+    say "installing ${packages[*]} (apt-get, without recommended packages)"
+    if ! apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null; then
+        say "apt-get install failed: apt-get update, then once more"
+        apt-get update -q >/dev/null || die "apt-get update failed"
+        apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null \
+            || die "apt-get install ${packages[*]} failed"
+    fi
 }
 
 add_hosts() {
@@ -60,9 +72,9 @@ write_config() {
     local gres_lines="" i=0
     for n in "${NODES[@]}"; do
         # Fake GPUs: gres needs device files (a count-only gres leaves the node INVAL).
-        mknod "$DIR/dev/nvidia$i" c 1 3 && mknod "$DIR/dev/nvidia$((i + 1))" c 1 3
-        gres_lines+="NodeName=$n Name=gpu File=$DIR/dev/nvidia[$i-$((i + 1))]"$'\n'
-        i=$((i + 2))
+        for g in $(seq "$i" $((i + GPUS - 1))); do mknod "$DIR/dev/nvidia$g" c 1 3; done
+        gres_lines+="NodeName=$n Name=gpu File=$DIR/dev/nvidia[$i-$((i + GPUS - 1))]"$'\n'
+        i=$((i + GPUS))
     done
     printf '%s' "$gres_lines" >"$DIR/gres.conf"
     cat >"$CONF" <<EOF
@@ -84,10 +96,15 @@ MpiDefault=none
 # Finished jobs leave the controller after 5 s: sbatch --wait then returns within seconds.
 MinJobAge=5
 # The sbatch scripts derive their rendezvous port from the job id: two test clusters at once
-# must not hand out the same ids.
+# must not hand out the same ids (the tests start each at its cluster's own port).
 FirstJobId=${SLURM_TEST_FIRST_JOB_ID:-1}
 # Seconds between SIGTERM and SIGKILL when a step is killed (e.g. --kill-on-bad-exit).
 KillWait=5
+# A requeued job waits for the old run's step credentials to expire before it starts again
+# (cred_expire, 120 s by default), then for the main scheduling loop (sched_interval, 60 s):
+# a requeued test job would wait three minutes. Here, seconds.
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=1
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 StateSaveLocation=$DIR/state
@@ -97,7 +114,7 @@ SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 GresTypes=gpu
-NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=$CPUS Gres=gpu:2 State=UNKNOWN
+NodeName=node[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 1))-$((PORT + 2)) CPUs=$CPUS Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -191,10 +208,11 @@ status() {
 
 # Two test sessions (or pytest workers) at once share apt-get, /etc/hosts and munge: one at a time here.
 # (The daemons are started with fd 9 closed, or they would hold the lock for as long as they run.)
-[[ ${1:-} == start || ${1:-} == stop ]] && exec 9>/tmp/ddp-course-slurm.lock && flock 9
+[[ ${1:-} == install || ${1:-} == start || ${1:-} == stop ]] && exec 9>/tmp/ddp-course-slurm.lock && flock 9
 case "${1:-}" in
+    install) install_slurm ;;
     start) start ;;
     stop) stop_daemons; say "stopped" ;;
     status) status ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    *) echo "usage: $0 install|start|stop|status" >&2; exit 2 ;;
 esac

@@ -1,11 +1,12 @@
-"""Lesson 4 under a real Slurm: slurm/train.sbatch (one torchrun per node) and
+"""Lessons 3 and 4 under a real Slurm: slurm/train.sbatch (one torchrun per node) and
 slurm/train_srun.sbatch (one srun task per rank, each mapping SLURM_* to RANK/LOCAL_RANK/WORLD_SIZE)
-on a 2-node allocation, on CPU with gloo.
+on a 2-node allocation, on CPU with gloo: the rank layout, a crashing rank, and a preempted job
+that requeues itself and ends as if never stopped.
 
-The session fixture starts a two-node Slurm on this machine with tests/slurm_cluster.sh (it installs
-munge and Slurm with apt-get if missing; needs root) and stops it at the end. Where that is
-impossible the tests skip, saying why; with CI=true they fail instead. Outside CI, set
-DDP_COURSE_NO_SLURM=1 to skip them rather than install Slurm on your machine."""
+The session fixture (`slurm` in conftest) starts a two-node Slurm on this machine with
+tests/slurm_cluster.sh, which installs munge and Slurm with apt-get if missing (root), and stops it
+at the end. It does so only when asked: DDP_COURSE_SLURM=1, or CI=true. Otherwise these tests skip
+with one line saying so; asked for and impossible (not root, no apt-get), they fail."""
 
 import json
 import os
@@ -16,47 +17,126 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, assert_ok, cpu_env, error_lines, run
+from conftest import (
+    ROOT,
+    SLURM_ASKED,
+    SLURM_OFF,
+    assert_ok,
+    cpu_env,
+    error_lines,
+    flat_tensors,
+    kill_tree,
+    run,
+    torchrun_cmd,
+)
 
 from multinode import params_sha256
 
+if not SLURM_ASKED:
+    # One line for the whole file, rather than one per test.
+    pytest.skip(SLURM_OFF, allow_module_level=True)
+
 SMALL = ["--samples", "1024", "--batch-size", "32", "--log-every", "1000"]
 SCRIPTS = {"train.sbatch": "torchrun", "train_srun.sbatch": "slurm"}
+# multinode.py plus the tests' fault injection and report (--crash-rank, --crash-at, --report).
+FAULTS = "tests/multinode_faults.py"
+# A job is still under way in these states (REQUEUED: on its way back to PENDING).
+UNDER_WAY = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED")
 
 
-def sbatch(slurm, tmp_path, script, *args, ddp_timeout=60, timeout=300):
-    """sbatch from the repo root (so the job finds the .venv), then wait for the job; returns
-    (result, job output). Like `sbatch --wait` (its exit code is the job's), but polling every
-    0.2 s: sbatch --wait polls every 2 s, seconds per job (the README's command uses it)."""
-    out = tmp_path / "job.out"
+def submit(slurm, job_dir, script, *args, options=(), ddp_timeout=60):
+    """sbatch [options] from the repo root (so the job finds the .venv); returns (job id, output
+    file in job_dir)."""
+    job_dir.mkdir(exist_ok=True)
+    out = job_dir / "job.out"
     env = cpu_env(DDP_TIMEOUT=ddp_timeout, **slurm)
-    # --time: should a job hang anyway, Slurm itself ends it (a killed test would not).
+    # --time: should a job hang anyway, Slurm itself ends it (a killed test would not). 10 min, so
+    # that the scripts' warning signal (120-180 s before the limit) never reaches a test job.
     r = run(
-        ["sbatch", "--time=5", "--output", out, ROOT / "slurm" / script, "multinode.py", *args],
+        ["sbatch", "--time=10", "--output", out, *options, ROOT / "slurm" / script, *args],
         timeout=60,
         env=env,
     )
     assert_ok(r)
-    job = re.search(r"Submitted batch job (\d+)", r.stdout)[1]
-    deadline, fields = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline:
-        show = subprocess.run(
-            ["scontrol", "-o", "show", "job", job],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        fields = dict(f.split("=", 1) for f in show.split() if "=" in f)
-        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            break  # (MinJobAge=5 keeps a finished job visible to scontrol for 5 s)
+    return re.search(r"Submitted batch job (\d+)", r.stdout)[1], out
+
+
+def job_fields(slurm, job):
+    show = subprocess.run(
+        ["scontrol", "-o", "show", "job", job],
+        env=cpu_env(**slurm),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return dict(f.split("=", 1) for f in show.split() if "=" in f)
+
+
+def wait_jobs(slurm, jobs, timeout, signal_at=None):
+    """Poll the jobs ({name: (job id, output file)}) together every 0.2 s until all have ended
+    (sbatch --wait polls every 2 s: seconds per job). With signal_at, each job's batch shell gets
+    SIGUSR1, once, as soon as the job's output holds that text (what Slurm sends before the time
+    limit). Returns {name: the job's fields (JobState, ExitCode, Restarts...)}. Past the timeout
+    the jobs are cancelled and the test fails: it never hangs."""
+    deadline = time.monotonic() + timeout
+    ended = {}
+    signalled = set()
+    while len(ended) < len(jobs) and time.monotonic() < deadline:
+        for name, (job, out) in jobs.items():
+            if name in ended:
+                continue
+            fields = job_fields(slurm, job)
+            # (MinJobAge=5 keeps a finished job visible to scontrol for 5 s: enough, polled here)
+            if "JobState" not in fields:
+                pytest.fail(f"{name}: job {job} left Slurm before its end was seen")
+            if fields["JobState"] not in UNDER_WAY:
+                ended[name] = fields
+            elif signal_at and name not in signalled and signal_at in read(out):
+                subprocess.run(
+                    ["scancel", "--signal=USR1", "--batch", job],
+                    env=cpu_env(**slurm),
+                    check=True,
+                    timeout=30,
+                )
+                signalled.add(name)
         time.sleep(0.2)
-    else:
-        subprocess.run(["scancel", job], env=env, timeout=30)
-        pytest.fail(f"job {job} still {fields.get('JobState')} after {timeout}s")
-    code = int(fields["ExitCode"].split(":")[0]) or int(fields["JobState"] != "COMPLETED")
-    result = subprocess.CompletedProcess(r.args, code, r.stdout, r.stderr)
-    return result, out.read_text() if out.exists() else ""
+    if len(ended) < len(jobs):
+        left = [name for name in jobs if name not in ended]
+        for name in left:
+            subprocess.run(["scancel", jobs[name][0]], env=cpu_env(**slurm), timeout=30)
+        pytest.fail(
+            f"jobs {left} still under way after {timeout}s\n"
+            + "\n".join(f"--- {name}\n{read(jobs[name][1])[-3000:]}" for name in left)
+        )
+    return ended
+
+
+def read(path):
+    if path.exists():
+        return path.read_text()
+    return ""
+
+
+def job_result(fields):
+    """The job's exit code: Slurm's ExitCode, or 1 if it did not end COMPLETED."""
+    return int(fields["ExitCode"].split(":")[0]) or int(fields["JobState"] != "COMPLETED")
+
+
+def run_side_by_side(slurm, tmp_path, args, options=None, ddp_timeout=60, timeout=300):
+    """The same job under both scripts at once (the test cluster has room for both): submit,
+    wait for both to end; returns {script: (exit code, job output)}."""
+    jobs = {}
+    for script in SCRIPTS:
+        jobs[script] = submit(
+            slurm,
+            tmp_path / script,
+            script,
+            *args(tmp_path / script),
+            options=(options or {}).get(script, ()),
+            ddp_timeout=ddp_timeout,
+        )
+    ended = wait_jobs(slurm, jobs, timeout)
+    return {script: (job_result(ended[script]), read(jobs[script][1])) for script in SCRIPTS}
 
 
 def table_rows(output):
@@ -96,58 +176,141 @@ def _check_job(report, output, launcher):
     assert sum(line.startswith("done:") for line in output.splitlines()) == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_sbatch_two_nodes(slurm, tmp_path, script):
-    report, ckpt = tmp_path / "report.json", tmp_path / "ckpt"
-    r, output = sbatch(
-        slurm,
-        tmp_path,
-        script,
-        *SMALL,
-        "--epochs",
-        "2",
-        "--checkpoint-dir",
-        ckpt,
-        "--report",
-        report,
-    )
-    assert_ok(r)
-    assert re.search(r"Submitted batch job \d+", r.stdout)
-    check_job(report, output, SCRIPTS[script])
-    rep = json.loads(report.read_text())
-    snap = torch.load(ckpt / "multinode.pt", map_location="cpu", weights_only=True)
-    assert snap["epoch"] == 2 and params_sha256(snap["model"]) == rep["params_sha256"][0]
+# One rank on each node: the options a user would pass to sbatch to shrink a job, one CPU per rank.
+ONE_RANK_PER_NODE = {
+    "train.sbatch": ["--gpus-per-node=1", "--cpus-per-task=1"],
+    "train_srun.sbatch": ["--ntasks-per-node=1", "--gpus-per-node=1"],
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", list(SCRIPTS))
-def test_crashing_rank_fails_the_job_fast(slurm, tmp_path, script):
-    """Rank 3 dies at start-up, before joining the process group. The other ranks would wait for
-    it in init_process_group for the whole 900 s timeout; srun --kill-on-bad-exit=1 must end the
-    job at once, with a non-zero exit code."""
+def test_sbatch_two_nodes(slurm, tmp_path):
+    """Both scripts as written: 2 nodes x 2 ranks, each rank where its numbers say."""
+
+    def args(job_dir):
+        return [
+            FAULTS,
+            *SMALL,
+            "--epochs",
+            "2",
+            "--checkpoint-dir",
+            job_dir / "ckpt",
+            "--report",
+            job_dir / "report.json",
+        ]
+
+    for script, (code, output) in run_side_by_side(slurm, tmp_path, args).items():
+        assert code == 0, (script, output[-3000:])
+        report = tmp_path / script / "report.json"
+        check_job(report, output, SCRIPTS[script])
+        rep = json.loads(report.read_text())
+        snap = torch.load(
+            tmp_path / script / "ckpt" / "multinode.pt", map_location="cpu", weights_only=True
+        )
+        assert snap["epoch"] == 2, script
+        assert params_sha256(snap["model"]) == rep["params_sha256"][0], script
+
+
+@pytest.mark.slow
+def test_crashing_rank_fails_the_job_fast(slurm, tmp_path):
+    """Rank 1 (on the second node) dies at start-up, before joining the process group. Rank 0
+    would wait for it in init_process_group for the whole 900 s timeout; srun
+    --kill-on-bad-exit=1 must end the job at once, with a non-zero exit code."""
+
+    def args(job_dir):
+        return [
+            FAULTS,
+            *SMALL,
+            "--epochs",
+            "2",
+            "--crash-rank",
+            "1",
+            "--crash-at",
+            "start",
+            "--checkpoint-dir",
+            job_dir / "ckpt",
+        ]
+
     t0 = time.monotonic()
-    r, output = sbatch(
-        slurm,
-        tmp_path,
-        script,
-        *SMALL,
-        "--epochs",
-        "2",
-        "--crash-rank",
-        "3",
-        "--crash-at",
-        "start",
-        "--checkpoint-dir",
-        tmp_path / "ckpt",
-        ddp_timeout=900,
-        timeout=420,
+    results = run_side_by_side(
+        slurm, tmp_path, args, options=ONE_RANK_PER_NODE, ddp_timeout=900, timeout=420
     )
     elapsed = time.monotonic() - t0
-    assert r.returncode != 0, output
-    assert "error: rank 3 crashed on purpose" in output
-    assert not any(line.startswith("done:") for line in output.splitlines())
-    assert elapsed < 240, f"the job took {elapsed:.0f} s to fail"
+    for script, (code, output) in results.items():
+        assert code != 0, (script, output)
+        assert "error: rank 1 crashed on purpose" in output, (script, output)
+        assert not any(line.startswith("done:") for line in output.splitlines()), script
+        # The preemption trap must not requeue a job that failed by itself.
+        assert "requeue:" not in output, (script, output)
+    assert elapsed < 240, f"the jobs took {elapsed:.0f} s to fail"
+
+
+# Lesson 3 on 2 ranks: 2 epochs of 32 steps. --step-delay keeps a job training for 6 s or more,
+# so that the signal sent once training has started arrives before it ends.
+LESSON3 = ["--samples", "512", "--batch-size", "8", "--epochs", "2", "--hidden", "16"]
+
+
+def load_weights(ckpt):
+    snapshot = torch.load(ckpt / "snapshot.pt", map_location="cpu", weights_only=True)
+    return flat_tensors(snapshot["model"])
+
+
+@pytest.mark.slow
+def test_preempted_job_requeues_itself_and_ends_as_if_never_stopped(slurm, tmp_path):
+    """Slurm's warning signal mid-run (what --signal=B:USR1@120 sends before the time limit), to
+    a lesson 3 job under each script: the batch shell passes it on, lesson 3 snapshots and exits,
+    the job requeues itself, resumes from the snapshot and ends with the weights of a run never
+    interrupted, bit for bit. That run (torchrun here, 2 ranks: the world size, not the launcher,
+    decides the arithmetic) and the two jobs run at once."""
+    reference = tmp_path / "uninterrupted"
+    uninterrupted = subprocess.Popen(
+        torchrun_cmd("multi_gpu_torchrun.py", *LESSON3, "--checkpoint-dir", reference),
+        cwd=ROOT,
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        jobs = {}
+        for script in SCRIPTS:
+            jobs[script] = submit(
+                slurm,
+                tmp_path / script,
+                script,
+                "multi_gpu_torchrun.py",
+                *LESSON3,
+                "--step-delay",
+                "0.1",
+                "--checkpoint-dir",
+                tmp_path / script / "ckpt",
+                options=ONE_RANK_PER_NODE[script],
+            )
+        # "start:": lesson 3 handles the signal from then on.
+        ended = wait_jobs(slurm, jobs, timeout=420, signal_at="start:")
+        outputs = {script: read(out) for script, (job, out) in jobs.items()}
+        for script, fields in ended.items():
+            assert job_result(fields) == 0 and fields["Restarts"] == "1", (
+                script,
+                fields,
+                outputs[script][-4000:],
+            )
+        log, _ = uninterrupted.communicate(timeout=240)
+        assert uninterrupted.returncode == 0, log[-3000:]
+    finally:
+        kill_tree(uninterrupted.pid)
+    expected = load_weights(reference)
+    for script, output in outputs.items():
+        stopped = re.search(r"^preempted: signal SIGUSR1 \| step (\d+)/(\d+) \|", output, re.M)
+        assert stopped and 0 < int(stopped[1]) < int(stopped[2]), (script, output[-4000:])
+        assert "requeue: job" in output and "requeued 1 times" in output, (script, output[-4000:])
+        assert re.search(r"^resumed: ", output, re.M), (script, output[-4000:])
+        assert sum(line.startswith("done:") for line in output.splitlines()) == 1, script
+        weights = load_weights(tmp_path / script / "ckpt")
+        assert weights.keys() == expected.keys(), script
+        differ = [k for k in weights if not torch.equal(weights[k], expected[k])]
+        assert not differ, f"{script}: weights differ from the uninterrupted run: {differ}"
 
 
 @pytest.mark.slow
@@ -173,9 +336,9 @@ def test_bare_srun_is_one_error_line_pointing_at_the_mapping(slurm):
 def test_first_node_of_the_node_list_comes_from_scontrol(slurm, script, line):
     """The scripts' own line that picks the rendezvous host, run on node lists Slurm writes."""
     [code] = [
-        line.strip()
-        for line in (ROOT / "slurm" / script).read_text().splitlines()
-        if line.strip().startswith(line)
+        text.strip()
+        for text in (ROOT / "slurm" / script).read_text().splitlines()
+        if text.strip().startswith(line)
     ]
     var = line.split()[-1].rstrip("=")
     for nodelist, first in [
