@@ -77,9 +77,12 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
             device_id=device if device.type == "cuda" else None,
             store=torchrun_store(world_size, timeout),
         )
-    except dist.DistError as e:
+    except RuntimeError as e:
+        # A taken port: a DistError from torch 2.7 on, a plain RuntimeError before.
         if "EADDRINUSE" in str(e):
             fail(f"{address} is already in use: pick a free port (--master-port, MASTER_PORT=)")
+        if not isinstance(e, dist.DistError):
+            raise
         fail(
             f"rank {rank} could not join the process group at {address} within {seconds:.0f} s "
             f"({str(e).splitlines()[0]}). Are all {world_size} ranks started, and is the address "
