@@ -223,7 +223,7 @@ def remove_best(checkpoint_dir, epochs):
 
 
 def start_profiler(checkpoint_dir):
-    """Steps 3-5 -> a Chrome trace in DIR/profile_rank0.json (open it in https://ui.perfetto.dev)."""
+    """Steps 3-5 -> a Chrome trace in DIR/profile_rank0.json (open it in ui.perfetto.dev)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     trace = os.path.join(checkpoint_dir, "profile_rank0.json")
     return torch.profiler.profile(
