@@ -81,6 +81,11 @@ def pytest_xdist_make_scheduler(config, log):
                 r"test_debug\.py::|test_elastic\.py::test_(elastic_job|a_node_cut)", nodeid
             ):
                 return nodeid
+            # A README command that submits to Slurm runs beside test_slurm.py, on its worker:
+            # one test cluster per suite, its jobs one at a time (seen: a second cluster on
+            # another worker, its README job killed at the test's time limit).
+            if "test_readme.py::" in nodeid and "sbatch" in nodeid:
+                return "tests/test_slurm.py"
             m = re.search(
                 r"test_readme\.py::test_(command_runs|shown_output)\w*\[(\S+ of )?(\S+:\d+)", nodeid
             )
