@@ -1,4 +1,5 @@
-"""What every lesson must get right, once: join the group, device, cleanup, print, checkpoints."""
+"""What every lesson must get right, once: join the group, device, cleanup, print, checkpoints.
+Below those, the few rules that several (not all) lessons share, so each is written once."""
 
 import contextlib
 import datetime
@@ -122,10 +123,13 @@ def read_launcher_env():
 def pick_device(local_rank, local_world_size, backend="auto"):
     """The local rank's GPU when every process on this node has one, else the CPU and gloo."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if gpus >= local_world_size:
         # Local rank, never global: on node 1 the global ranks are 8..15 but the GPUs are 0..7.
         device = torch.device("cuda", local_rank)
-    elif gpus == 1 and one_gpu_per_process():
+    elif gpus == 1 and "," not in visible and visible.strip() != "":
+        # A site that binds one GPU per task (srun --gpus-per-task, Kubernetes) shows each
+        # process one GPU, named in CUDA_VISIBLE_DEVICES: it is cuda:0 in every process.
         device = torch.device("cuda", 0)
     elif backend == "nccl":
         fail(f"--backend nccl needs a GPU per process: {gpus} visible for {local_world_size}")
@@ -143,11 +147,12 @@ def pick_device(local_rank, local_world_size, backend="auto"):
     return device, backend
 
 
-def one_gpu_per_process():
-    """Why: a site that binds one GPU per task (srun --gpus-per-task, Kubernetes) shows each
-    process one GPU, named in CUDA_VISIBLE_DEVICES; it is cuda:0 in every process."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return visible.strip() != "" and "," not in visible
+def cpu_count():
+    """Cores this process may use: its affinity (Slurm, taskset) on Linux; all of them elsewhere."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    # macOS and Windows have no affinity call.
+    return os.cpu_count() or 1
 
 
 def torchrun_store(world_size, timeout):
@@ -201,12 +206,55 @@ def set_seed(seed, rank=0):
     torch.manual_seed(seed + rank)
 
 
-def cpu_count():
-    """Cores this process may use: its affinity (Slurm, taskset) on Linux; all of them elsewhere."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    # macOS and Windows have no affinity call.
-    return os.cpu_count() or 1
+def save_checkpoint(state, path, writer=None):
+    """Atomic: a temp file beside `path`, fsync, rename, fsync the directory: a crash leaves the
+    old file. Call on every rank: rank 0 writes (or where `writer` is True, say local rank 0 on
+    node-local disks), then all wait."""
+    if writer is None:
+        writer = get_rank() == 0
+    if writer:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        # A fresh random name, created exclusively (O_EXCL): a link planted in a shared folder is
+        # not followed, and two nodes saving to one path never write the same temp file.
+        tmp = f"{path}.{os.urandom(8).hex()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        # The rename lives in the directory: sync it too, or a power cut can forget it.
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    if dist.is_available() and dist.is_initialized():
+        # Nobody reads or resumes from a file still being written.
+        dist.barrier()
+
+
+def load_checkpoint(path, device="cpu", **targets):
+    """load_checkpoint(p, model=m, optimizer=opt): restore each object from the key of its name.
+    To the CPU (load_state_dict copies to each parameter's device); weights_only: no pickles."""
+    if not os.path.isfile(path):
+        fail(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        # Truncated, corrupt, or not a torch file.
+        fail(f"checkpoint {path} is unreadable ({str(e).splitlines()[0][:120]}). Delete it", code=1)
+    for key, obj in targets.items():
+        try:
+            obj.load_state_dict(ckpt[key])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            fail(f"checkpoint {path} does not match this run's {key}: {str(e)[:200]!r}", code=1)
+    return ckpt
+
+
+# ---- Shared by some lessons: the --amp auto choice (lessons 2, 5, 6), one download per node
+# ---- (1, 2, 5), PowerSGD on gloo (6, 7), a free port for mp.spawn (5, 6).
 
 
 def pick_amp(choice, device):
@@ -257,50 +305,3 @@ def free_port(host="127.0.0.1"):
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def save_checkpoint(state, path, writer=None):
-    """Atomic: a temp file beside `path`, fsync, rename, fsync the directory: a crash leaves the
-    old file. Call on every rank: rank 0 writes (or where `writer` is True, say local rank 0 on
-    node-local disks), then all wait."""
-    if writer is None:
-        writer = get_rank() == 0
-    if writer:
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        # A fresh random name, created exclusively (O_EXCL): a link planted in a shared folder is
-        # not followed, and two nodes saving to one path never write the same temp file.
-        tmp = f"{path}.{os.urandom(8).hex()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        # The rename lives in the directory: sync it too, or a power cut can forget it.
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    if dist.is_available() and dist.is_initialized():
-        # Nobody reads or resumes from a file still being written.
-        dist.barrier()
-
-
-def load_checkpoint(path, device="cpu", **targets):
-    """load_checkpoint(p, model=m, optimizer=opt): restore each object from the key of its name.
-    To the CPU (load_state_dict copies to each parameter's device); weights_only: no pickles."""
-    if not os.path.isfile(path):
-        fail(f"checkpoint {path} does not exist")
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        # Truncated, corrupt, or not a torch file.
-        fail(f"checkpoint {path} is unreadable ({str(e).splitlines()[0][:120]}). Delete it", code=1)
-    for key, obj in targets.items():
-        try:
-            obj.load_state_dict(ckpt[key])
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            fail(f"checkpoint {path} does not match this run's {key}: {str(e)[:200]!r}", code=1)
-    return ckpt
