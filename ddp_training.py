@@ -13,7 +13,6 @@ the weight-sync check, the profiler).
 
 import contextlib
 import datetime
-import math
 import os
 import time
 
@@ -37,7 +36,6 @@ from ddp_common import (
 )
 from training_data import MEAN, STD, build_model, load_data, to_input
 from training_run import (
-    REFERENCE_BATCH,
     best_name,
     build_optimizer,
     check_in_sync,
@@ -47,20 +45,10 @@ from training_run import (
     record_epoch,
     remove_best,
     resume_path,
+    scaled_lr,
     start_profiler,
     warmup_cosine,
 )
-
-
-def scaled_lr(args, global_batch):
-    """--lr is the LR of a global batch of REFERENCE_BATCH samples; a run with k times that batch
-    takes k fewer steps. SGD: linear scaling, k x the LR (with a warm-up; Goyal et al. 2017).
-    AdamW normalises its steps: linear overshoots, and the square root is the usual rule."""
-    scaling = args.lr_scaling
-    if scaling == "auto":
-        scaling = {"sgd": "linear", "adamw": "sqrt"}[args.optimizer]
-    k = global_batch / REFERENCE_BATCH
-    return args.lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[scaling]
 
 
 def train_step(ddp_model, forward, optimizer, scaler, micro_batches, amp_dtype, clip_grad):

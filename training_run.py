@@ -143,6 +143,17 @@ def build_optimizer(model, args, lr):
     return torch.optim.AdamW(model.parameters(), **options)
 
 
+def scaled_lr(args, global_batch):
+    """--lr is the LR of a global batch of REFERENCE_BATCH samples; a run with k times that batch
+    takes k fewer steps. SGD: linear scaling, k x the LR (with a warm-up; Goyal et al. 2017).
+    AdamW normalises its steps: linear overshoots, and the square root is the usual rule."""
+    scaling = args.lr_scaling
+    if scaling == "auto":
+        scaling = {"sgd": "linear", "adamw": "sqrt"}[args.optimizer]
+    k = global_batch / REFERENCE_BATCH
+    return args.lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[scaling]
+
+
 def warmup_cosine(optimizer, warmup, total):
     """Linear warm-up over `warmup` optimizer steps, then cosine decay to 0 at `total`."""
 
