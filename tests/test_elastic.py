@@ -1,7 +1,7 @@
 """Lesson 3 (multi_gpu_torchrun.py) on a changing world: the same global batch on 1, 2 or 4 ranks
 is the same run to float rounding; a snapshot resumes on another world size at the next unseen
-sample; an elastic torchrun job (--nnodes=1:2) that loses a node for good finishes on the one
-left, from its snapshot. Real processes on gloo."""
+sample; an elastic torchrun job (--nnodes=1:2) grows when a node joins late and, when that node
+is lost for good, finishes on the one left, from its snapshot. Real processes on gloo."""
 
 import os
 import re
@@ -113,14 +113,37 @@ def test_a_global_batch_that_cannot_be_used_is_one_error_line(tmp_path, two_rank
     assert message in errors[0], errors
 
 
-def elastic_agent(node, endpoint, checkpoint_dir, log, address=None, prefix=(), env=None):
+# The elastic jobs: 8 epochs of 4 steps, long enough for a node to join (seen: 5 s after it may,
+# 10 steps at 0.5 s) and then be lost, with steps left to finish on the survivor.
+ELASTIC_EPOCHS = 8
+ELASTIC_STEPS = 4 * ELASTIC_EPOCHS
+
+# A node that arrives late: its agent has imported torchrun (seconds on a loaded machine), then
+# waits for the test to create the file named first, then runs torchrun with the rest.
+LATE_AGENT = """
+import os, sys, time
+from torch.distributed.run import main
+gate = sys.argv.pop(1)
+while not os.path.exists(gate):
+    time.sleep(0.1)
+main()
+"""
+
+
+def elastic_agent(
+    node, endpoint, checkpoint_dir, log, address=None, prefix=(), env=None, gate=None
+):
     """One "node" of an elastic job: a torchrun agent with one worker, --nnodes=1:2. Node 0 hosts
     the c10d store (is_host) and has the lowest address, so it holds rank 0 (the writer of the
     snapshots): it is the node that must survive. Its output goes to log; prefix runs it
-    elsewhere (`ip netns exec NS`)."""
+    elsewhere (`ip netns exec NS`); with gate (a path) it joins once that file exists."""
     address = address or f"127.0.0.{node + 1}"
-    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2"]
-    cmd += ["--nproc_per_node=1"]
+    cmd = [*prefix, sys.executable]
+    if gate:
+        cmd += ["-c", LATE_AGENT, gate]
+    else:
+        cmd += ["-m", "torch.distributed.run"]
+    cmd += ["--nnodes=1:2", "--nproc_per_node=1"]
     cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic"]
     # last_call_timeout: how long a round that has its minimum of nodes waits for more (30 s by
     # default); join_timeout: how long an agent tries to join a round (600 s); read_timeout: how
@@ -128,13 +151,17 @@ def elastic_agent(node, endpoint, checkpoint_dir, log, address=None, prefix=(), 
     conf = f"is_host={int(node == 0)},last_call_timeout=5,join_timeout=60,read_timeout=10"
     cmd += [f"--rdzv-conf={conf}"]
     cmd += [f"--local-addr={address}", "--max-restarts=3", "--monitor-interval=0.5"]
-    # 4 epochs of 4 steps, a snapshot every 2; 0.3 s a step so that the kill lands mid-run.
-    cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", "4", "--checkpoint-dir", checkpoint_dir]
-    cmd += ["--save-every", "2", "--step-delay", "0.3"]
+    # A snapshot every 2 steps; 0.5 s a step so that a join and a kill land mid-run.
+    cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", ELASTIC_EPOCHS, "--checkpoint-dir", checkpoint_dir]
+    cmd += ["--save-every", "2", "--step-delay", "0.5"]
+    environment = dict(env or cpu_env())
+    # As docs/restarts.md teaches: without it a node that joins after the first round (a late or
+    # a replacement node) waits for an address the first round's rank 0 never publishes again.
+    environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return subprocess.Popen(
         [str(c) for c in cmd],
         cwd=ROOT,
-        env=env or cpu_env(),
+        env=environment,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -155,17 +182,36 @@ def poll(condition, timeout, procs):
 
 
 @pytest.mark.slow
-def test_elastic_job_losing_a_node_finishes_on_the_survivor(tmp_path):
-    """Two agents (nodes) of one elastic job; node 1's whole process tree is SIGKILLed mid-run.
-    Node 0's worker loses its peer and exits; its agent restarts it in a new rendezvous round of
-    one node; the worker resumes from the last snapshot on world size 1 with the same global
-    batch and finishes. Its weights equal a run that took the same steps on the same world
-    sizes (built from the snapshot's history by --max-steps stops and resumes)."""
+def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_it_is_lost(tmp_path):
+    """Two agents (nodes) of one elastic job. Node 0 starts alone and trains on world size 1;
+    node 1 joins late: node 0's agent stops its worker (which snapshots), and a round of two
+    nodes resumes on world size 2. Then node 1's whole process tree is SIGKILLed mid-run: node
+    0's worker loses its peer and exits; its agent restarts it in a new round of one node; it
+    resumes on world size 1 and finishes. The global batch never changes, and the weights equal
+    a run that took the same steps on the same world sizes (built from the snapshot's history by
+    --max-steps stops and resumes)."""
     endpoint = f"127.0.0.1:{free_port()}"
     path = tmp_path / "snapshot.pt"
+    gate = tmp_path / "node1-may-join"
     logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
-    agents = [elastic_agent(node, endpoint, tmp_path, logs[node]) for node in (0, 1)]
+    agents = [elastic_agent(0, endpoint, tmp_path, logs[0])]
+    agents.append(elastic_agent(1, endpoint, tmp_path, logs[1], gate=gate))
     try:
+
+        def training_alone():
+            logs[0].seek(0)
+            return re.search(r"^start: .* world 1 ", logs[0].read(), re.M)
+
+        poll(training_alone, 240, agents)
+        gate.touch()
+        opened = time.monotonic()
+
+        def grown():
+            logs[0].seek(0)
+            return re.search(r"^resumed: .* world 1 -> 2 ", logs[0].read(), re.M)
+
+        poll(grown, 240, agents)
+        joined = time.monotonic() - opened
 
         def saved_on_two_ranks():
             try:
@@ -191,19 +237,22 @@ def test_elastic_job_losing_a_node_finishes_on_the_survivor(tmp_path):
         kill_tree(*(agent.pid for agent in agents))
     logs[0].seek(0)
     out = logs[0].read()
+    print(f"resumed on two nodes {joined:.1f} s after node 1 could join")
     print(f"the survivor resumed {waited:.1f} s after the kill")
     assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", out, re.M), out[-3000:]
     snap = torch.load(path, weights_only=True)
     starts = snap["history"]["starts"]
-    assert starts[-1][2] == 1 and snap["step"] == 16 and snap["global_batch_size"] == 64, starts
-    assert snap["history"]["samples"] == [256] * 4
+    # (epoch, step, world size) of each attempt: grown from 1 to 2, shrunk back to 1.
+    assert [world for _, _, world in starts] == [1, 2, 1], starts
+    assert snap["step"] == ELASTIC_STEPS and snap["global_batch_size"] == 64, starts
+    assert snap["history"]["samples"] == [256] * ELASTIC_EPOCHS
 
     # The reference: the same segments (world size, from step, to step), one launch each.
     reference = tmp_path / "reference"
-    ends = [start[1] for start in starts[1:]] + [16]
+    ends = [start[1] for start in starts[1:]] + [ELASTIC_STEPS]
     for (_, _, world_size), end in zip(starts, ends, strict=True):
-        argv = [*RUN[2:], "--epochs", 4, "--checkpoint-dir", reference]
-        if end < 16:
+        argv = [*RUN[2:], "--epochs", ELASTIC_EPOCHS, "--checkpoint-dir", reference]
+        if end < ELASTIC_STEPS:
             argv += ["--max-steps", end]
         spawn(_lesson_rank, world_size, argv)
     expected = torch.load(reference / "snapshot.pt", weights_only=True)
@@ -316,4 +365,4 @@ def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_worker_ex
     assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", outs[0], re.M), outs[0]
     assert re.search(r"^error: rank 1 lost the other ranks", outs[1], re.M), outs[1][-3000:]
     snap = torch.load(path, weights_only=True)
-    assert snap["step"] == 16 and snap["history"]["samples"] == [256] * 4
+    assert snap["step"] == ELASTIC_STEPS and snap["history"]["samples"] == [256] * ELASTIC_EPOCHS
