@@ -47,11 +47,10 @@ from ddp_common import (
     cpu_count,
     fail,
     free_port,
-    pick_amp,
     pick_device,
-    powersgd_hook,
     setup,
 )
+from ddp_extras import pick_amp, powersgd_hook
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 # Samples per rank when --batch-size is not given.

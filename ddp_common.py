@@ -1,9 +1,8 @@
 """What every lesson must get right, once: join the group, device, cleanup, print, checkpoints.
-Below those, the few rules that several (not all) lessons share, so each is written once."""
+Rules that only some lessons share (--amp auto, one download per node, PowerSGD on gloo) are in
+ddp_extras.py."""
 
-import contextlib
 import datetime
-import fcntl
 import gc
 import os
 import random
@@ -251,53 +250,6 @@ def load_checkpoint(path, device="cpu", **targets):
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             fail(f"checkpoint {path} does not match this run's {key}: {str(e)[:200]!r}", code=1)
     return ckpt
-
-
-# ---- Shared by some lessons: the --amp auto choice (lessons 2, 5, 6), one download per node
-# ---- (1, 2, 5), PowerSGD on gloo (6, 7), a free port for mp.spawn (5, 6).
-
-
-def pick_amp(choice, device):
-    """--amp auto: bf16 where the GPU has it natively (a T4 only emulates it), else fp16 (with a
-    GradScaler); off on the CPU. Returns "bf16", "fp16" or "off"."""
-    if choice != "auto":
-        return choice
-    if device.type != "cuda":
-        return "off"
-    if torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bf16"
-    return "fp16"
-
-
-@contextlib.contextmanager
-def folder_lock(folder):
-    """Hold an exclusive lock on FOLDER/.lock. Why: each node's local rank 0 downloads, and nodes
-    that share a disk (a home directory on NFS) must take turns, not write the same files."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def long_barrier(seconds=3600):
-    """A barrier with a limit of its own. Why: the ranks that wait for a download or a
-    tokenizer would otherwise be ended by the collective timeout (600 s) of the default group."""
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
-    dist.barrier(group=group)
-    dist.destroy_process_group(group)
-
-
-def powersgd_hook(state, bucket):
-    """PowerSGD for any backend: ddp_model.register_comm_hook(state, powersgd_hook). Why: the hook
-    chains three all-reduces per bucket through future callbacks, which gloo runs on its own
-    threads, so with 2+ buckets two ranks can issue them in different orders (gloo aborts or
-    hangs). On gloo each bucket finishes before DDP hands over the next: correct, less overlap."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-    future = powerSGD_hook.powerSGD_hook(state, bucket)
-    if dist.get_backend(state.process_group) == "gloo":
-        future.wait()
-    return future
 
 
 def free_port(host="127.0.0.1"):

@@ -38,12 +38,12 @@ from ddp_common import (
     cleanup,
     fail,
     load_checkpoint,
-    powersgd_hook,
     print0,
     save_checkpoint,
     set_seed,
     setup,
 )
+from ddp_extras import powersgd_hook
 from knobs_extras import (
     comm_bytes_per_step,
     convert_to_gloo_sync_batchnorm,
@@ -98,7 +98,7 @@ def register_comm_hook(ddp_model, args):
         matrix_approximation_rank=args.powersgd_rank,
         start_powerSGD_iter=args.powersgd_warmup,
     )
-    # torch's powerSGD_hook, finishing each bucket before the next on gloo (ddp_common.py).
+    # torch's powerSGD_hook, finishing each bucket before the next on gloo (ddp_extras.py).
     ddp_model.register_comm_hook(state, powersgd_hook)
     return state
 

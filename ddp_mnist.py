@@ -26,13 +26,12 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_common import (
     cleanup,
     fail,
-    folder_lock,
-    long_barrier,
     print0,
     save_checkpoint,
     set_seed,
     setup,
 )
+from ddp_extras import folder_lock, long_barrier
 
 # MNIST pixel statistics.
 MEAN, STD = 0.1307, 0.3081

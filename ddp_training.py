@@ -28,12 +28,12 @@ from ddp_common import (
     cleanup,
     fail,
     load_checkpoint,
-    pick_amp,
     print0,
     save_checkpoint,
     set_seed,
     setup,
 )
+from ddp_extras import pick_amp
 from training_data import MEAN, STD, build_model, load_data, to_input
 from training_run import (
     best_name,

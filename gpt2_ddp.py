@@ -30,13 +30,12 @@ from ddp_common import (
     fail,
     free_port,
     load_checkpoint,
-    long_barrier,
-    pick_amp,
     print0,
     save_checkpoint,
     set_seed,
     setup,
 )
+from ddp_extras import long_barrier, pick_amp
 
 CHECKPOINT = "gpt2.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from ddp_common import fail, folder_lock, long_barrier, print0
+from ddp_common import fail, print0
+from ddp_extras import folder_lock, long_barrier
 
 # CIFAR-10's channel statistics, for normalising its images.
 MEAN = (0.4914, 0.4822, 0.4465)

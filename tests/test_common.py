@@ -1,5 +1,6 @@
 """ddp_common: the helper under torchrun and mp.spawn (srun: tests/test_slurm.py), its errors,
-its restart store, and its checkpoint functions."""
+its restart store, and its checkpoint functions; and ddp_extras' download rules (the long
+barrier, the folder lock)."""
 
 import json
 import os
@@ -24,6 +25,7 @@ from conftest import (
 )
 
 import ddp_common
+import ddp_extras
 
 PROBE = "tests/probe_setup.py"
 
@@ -248,7 +250,7 @@ def _late_download(rank, world_size, port, barrier, out_dir):
         time.sleep(4)
     try:
         if barrier == "long":
-            ddp_common.long_barrier(seconds=30)
+            ddp_extras.long_barrier(seconds=30)
         else:
             torch.distributed.barrier()
         outcome = "passed"
@@ -272,8 +274,8 @@ def test_a_download_may_outlast_the_collective_timeout(tmp_path, barrier):
 def test_folder_lock_makes_nodes_on_one_disk_take_turns(tmp_path):
     """Two processes (two nodes' local rank 0 on a shared home directory): the second waits."""
     code = (
-        "import sys, time, ddp_common\n"
-        "with ddp_common.folder_lock(sys.argv[1]):\n"
+        "import sys, time, ddp_extras\n"
+        "with ddp_extras.folder_lock(sys.argv[1]):\n"
         "    print(time.time()); time.sleep(1.5); print(time.time())\n"
     )
     env = cpu_env()

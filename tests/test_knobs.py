@@ -25,7 +25,7 @@ from conftest import (
 )
 
 import ddp_benchmark
-import ddp_common
+import ddp_extras
 import ddp_knobs as K
 import knobs_extras
 
@@ -469,8 +469,8 @@ def test_bad_flags_exit_2_with_one_error_line(flags, capsys):
 
 
 def test_one_powersgd_hook_rule_in_both_lessons():
-    """The gloo-safe PowerSGD hook is written once, in the helper, and both lessons use it."""
-    assert ddp_benchmark.powersgd_hook is K.powersgd_hook is ddp_common.powersgd_hook
+    """The gloo-safe PowerSGD hook is written once, in ddp_extras, and both lessons use it."""
+    assert ddp_benchmark.powersgd_hook is K.powersgd_hook is ddp_extras.powersgd_hook
 
 
 def test_bad_flag_from_the_command_line():
