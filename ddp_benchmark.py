@@ -42,15 +42,8 @@ from benchmark_extras import (
     print_report,
     write_plot,
 )
-from ddp_common import (
-    cleanup,
-    cpu_count,
-    fail,
-    free_port,
-    pick_device,
-    setup,
-)
-from ddp_extras import pick_amp, powersgd_hook
+from ddp_common import cleanup, cpu_count, fail, pick_device, setup
+from ddp_extras import free_port, pick_amp, powersgd_hook
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 # Samples per rank when --batch-size is not given.

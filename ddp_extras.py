@@ -1,11 +1,13 @@
 """Rules that several lessons share but not every one: the `--amp auto` choice (lessons 2, 5, 6),
-one download per node (1, 2, 5) and PowerSGD on gloo (6, 7). Each is written once, here; what every
-lesson needs stays in ddp_common.py, which this module does not repeat."""
+one download per node (1, 2, 5), PowerSGD on gloo (6, 7) and a free port for mp.spawn (5, 6). Each
+is written once, here; what every lesson needs stays in ddp_common.py, which this module does not
+repeat."""
 
 import contextlib
 import datetime
 import fcntl
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -51,3 +53,10 @@ def powersgd_hook(state, bucket):
     if dist.get_backend(state.process_group) == "gloo":
         future.wait()
     return future
+
+
+def free_port(host="127.0.0.1"):
+    """A port free now: the parent of mp.spawn picks MASTER_PORT for its workers."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

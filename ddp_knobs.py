@@ -34,15 +34,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import (
-    cleanup,
-    fail,
-    load_checkpoint,
-    print0,
-    save_checkpoint,
-    set_seed,
-    setup,
-)
+from ddp_checkpoint import load_checkpoint, save_checkpoint
+from ddp_common import cleanup, fail, print0, set_seed, setup
 from ddp_extras import powersgd_hook
 from knobs_extras import (
     comm_bytes_per_step,

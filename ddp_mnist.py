@@ -23,14 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import (
-    cleanup,
-    fail,
-    print0,
-    save_checkpoint,
-    set_seed,
-    setup,
-)
+from ddp_checkpoint import save_checkpoint
+from ddp_common import cleanup, fail, print0, set_seed, setup
 from ddp_extras import folder_lock, long_barrier
 
 # MNIST pixel statistics.

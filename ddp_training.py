@@ -24,15 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import (
-    cleanup,
-    fail,
-    load_checkpoint,
-    print0,
-    save_checkpoint,
-    set_seed,
-    setup,
-)
+from ddp_checkpoint import load_checkpoint, save_checkpoint
+from ddp_common import cleanup, fail, print0, set_seed, setup
 from ddp_extras import pick_amp
 from training_data import MEAN, STD, build_model, load_data, to_input
 from training_run import (

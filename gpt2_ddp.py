@@ -25,17 +25,9 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import gpt2_model
-from ddp_common import (
-    cleanup,
-    fail,
-    free_port,
-    load_checkpoint,
-    print0,
-    save_checkpoint,
-    set_seed,
-    setup,
-)
-from ddp_extras import long_barrier, pick_amp
+from ddp_checkpoint import load_checkpoint, save_checkpoint
+from ddp_common import cleanup, fail, print0, set_seed, setup
+from ddp_extras import free_port, long_barrier, pick_amp
 
 CHECKPOINT = "gpt2.pt"
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -42,7 +42,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, load_checkpoint, print0, save_checkpoint, set_seed, setup
+from ddp_checkpoint import load_checkpoint, save_checkpoint
+from ddp_common import cleanup, fail, print0, set_seed, setup
 from restart_demo import make_dataset, make_model, maybe_fail
 
 

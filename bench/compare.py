@@ -29,7 +29,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ddp_common import cpu_count, fail, free_port  # noqa: E402
+from ddp_common import cpu_count, fail  # noqa: E402
+from ddp_extras import free_port  # noqa: E402
 
 NANOGPT_URL, NANOGPT_COMMIT = (
     "https://github.com/karpathy/nanoGPT",

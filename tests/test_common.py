@@ -1,6 +1,6 @@
-"""ddp_common: the helper under torchrun and mp.spawn (srun: tests/test_slurm.py), its errors,
-its restart store, and its checkpoint functions; and ddp_extras' download rules (the long
-barrier, the folder lock)."""
+"""ddp_common: the helper under torchrun and mp.spawn (srun: tests/test_slurm.py), its errors and
+its restart store; ddp_checkpoint's atomic save and safe load; and ddp_extras' download rules (the
+long barrier, the folder lock)."""
 
 import json
 import os
@@ -24,6 +24,7 @@ from conftest import (
     spawn,
 )
 
+import ddp_checkpoint
 import ddp_common
 import ddp_extras
 
@@ -298,10 +299,10 @@ def test_folder_lock_makes_nodes_on_one_disk_take_turns(tmp_path):
 def test_save_is_atomic_and_load_restores(tmp_path):
     path = str(tmp_path / "ck" / "model.pt")
     model = torch.nn.Linear(3, 2)
-    ddp_common.save_checkpoint({"model": model.state_dict(), "step": 7}, path)
+    ddp_checkpoint.save_checkpoint({"model": model.state_dict(), "step": 7}, path)
     assert os.listdir(tmp_path / "ck") == ["model.pt"]  # no temp file left behind
     other = torch.nn.Linear(3, 2)
-    ckpt = ddp_common.load_checkpoint(path, "cpu", model=other)
+    ckpt = ddp_checkpoint.load_checkpoint(path, "cpu", model=other)
     assert ckpt["step"] == 7 and torch.equal(other.weight, model.weight)
 
 
@@ -320,7 +321,7 @@ def test_save_writes_a_fresh_temp_file_and_syncs_the_folder(tmp_path, monkeypatc
     )
     old_umask = os.umask(0o022)
     try:
-        ddp_common.save_checkpoint({"step": 1}, str(path))
+        ddp_checkpoint.save_checkpoint({"step": 1}, str(path))
     finally:
         os.umask(old_umask)
     assert victim.read_text() == "keep me"
@@ -335,7 +336,7 @@ def test_save_writes_a_fresh_temp_file_and_syncs_the_folder(tmp_path, monkeypatc
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "shape", "missing-key", "absent"])
 def test_bad_checkpoints_are_one_line_errors(tmp_path, capsys, damage):
     path = str(tmp_path / "model.pt")
-    ddp_common.save_checkpoint({"model": torch.nn.Linear(3, 2).state_dict()}, path)
+    ddp_checkpoint.save_checkpoint({"model": torch.nn.Linear(3, 2).state_dict()}, path)
     data = open(path, "rb").read()
     if damage == "truncated":
         open(path, "wb").write(data[: len(data) // 2])
@@ -346,7 +347,7 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, capsys, damage):
     target = torch.nn.Linear(4, 2) if damage == "shape" else torch.nn.Linear(3, 2)
     key = "ema" if damage == "missing-key" else "model"
     with pytest.raises(SystemExit) as e:
-        ddp_common.load_checkpoint(path, "cpu", **{key: target})
+        ddp_checkpoint.load_checkpoint(path, "cpu", **{key: target})
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code in (1, 2) and len(err) == 1 and err[0].startswith("error: checkpoint")
 
@@ -355,28 +356,28 @@ def test_load_checkpoint_loads_to_the_cpu_unless_told(tmp_path, monkeypatch):
     """A resume must not put a whole checkpoint on every GPU: load to the CPU, load_state_dict
     copies each tensor to its parameter's device."""
     path = str(tmp_path / "model.pt")
-    ddp_common.save_checkpoint({"model": torch.nn.Linear(3, 2).state_dict()}, path)
+    ddp_checkpoint.save_checkpoint({"model": torch.nn.Linear(3, 2).state_dict()}, path)
     real_load, seen = torch.load, []
     monkeypatch.setattr(
         torch, "load", lambda *a, **k: seen.append(k["map_location"]) or real_load(*a, **k)
     )
-    ddp_common.load_checkpoint(path, model=torch.nn.Linear(3, 2))
-    ddp_common.load_checkpoint(path, torch.device("cpu"), model=torch.nn.Linear(3, 2))
+    ddp_checkpoint.load_checkpoint(path, model=torch.nn.Linear(3, 2))
+    ddp_checkpoint.load_checkpoint(path, torch.device("cpu"), model=torch.nn.Linear(3, 2))
     assert seen == ["cpu", torch.device("cpu")]
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     """A process killed while writing the temp file leaves the old checkpoint loadable."""
     path = tmp_path / "model.pt"
-    ddp_common.save_checkpoint({"step": torch.tensor(1)}, str(path))
+    ddp_checkpoint.save_checkpoint({"step": torch.tensor(1)}, str(path))
     code = (
-        "import os, torch, ddp_common\n"
+        "import os, torch, ddp_checkpoint\n"
         "real = torch.save\n"
         "def dying_save(obj, f):\n"
         "    f.write(b'half a checkpoint'); f.flush(); os._exit(9)\n"
         "torch.save = dying_save\n"
-        f"ddp_common.save_checkpoint({{'step': torch.tensor(2)}}, {str(path)!r})\n"
+        f"ddp_checkpoint.save_checkpoint({{'step': torch.tensor(2)}}, {str(path)!r})\n"
     )
     result = run([sys.executable, "-c", code], timeout=60)
     assert result.returncode == 9
-    assert ddp_common.load_checkpoint(str(path), "cpu")["step"].item() == 1
+    assert ddp_checkpoint.load_checkpoint(str(path), "cpu")["step"].item() == 1
