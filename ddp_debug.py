@@ -39,11 +39,11 @@ FIXES = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="Lesson 8: break a small DDP job the way real jobs break, diagnose, fix. "
         "Launch with: torchrun --standalone --nproc_per_node=2 ddp_debug.py --fault FAULT"
     )
-    p.add_argument(
+    parser.add_argument(
         "--fault",
         choices=FAULTS,
         default="none",
@@ -51,47 +51,49 @@ def parse_args(argv=None):
         "crash: one rank raises on a bad sample; straggler: one rank stalls loading data; "
         "unused: a parameter gets no gradient on some steps (default: none, runs clean)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--fix",
         choices=["none", *sorted({name for names in FIXES.values() for name in names})],
         default="none",
         help="run the fixed code: mismatch: every-rank; uneven: join or sampler; "
         "unused: find-unused or model",
     )
-    p.add_argument(
+    parser.add_argument(
         "--bad-rank",
         type=int,
         default=-1,
         help="the rank that misbehaves in uneven, crash, straggler (default -1: the last rank)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--fault-step", type=int, default=3, help="the step at which it does (default 3)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--timeout",
         type=float,
         default=10,
         help="seconds a collective waits for the other ranks before it fails (default 10)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--monitored-barrier",
         action="store_true",
         help="a dist.monitored_barrier before every step: rank 0 names a rank that never arrives",
     )
-    p.add_argument("--max-steps", type=int, default=8, help="steps per rank (default 8)")
-    p.add_argument(
+    parser.add_argument("--max-steps", type=int, default=8, help="steps per rank (default 8)")
+    parser.add_argument(
         "--batch-size", type=int, default=4, help="samples per step PER RANK (default 4)"
     )
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    p.add_argument("--seed", type=int, default=0, help="seed for init and data")
-    p.add_argument(
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
+    parser.add_argument(
         "--backend",
         default="auto",
         choices=["auto", "nccl", "gloo"],
         help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
     )
-    p.add_argument("--log-every", type=int, default=2, help="steps between log lines (default 2)")
-    args = p.parse_args(argv)
+    parser.add_argument(
+        "--log-every", type=int, default=2, help="steps between log lines (default 2)"
+    )
+    args = parser.parse_args(argv)
     if args.fix != "none" and args.fix not in FIXES.get(args.fault, []):
         fail(f"--fix {args.fix} does not fix --fault {args.fault}: the fixes are {FIXES}")
     if args.max_steps < 1 or args.batch_size < 1 or args.log_every < 1:

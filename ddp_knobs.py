@@ -114,39 +114,49 @@ def build(args, ddp):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="Lesson 7: ZeRO-1, SyncBatchNorm and DDP communication hooks. "
         "Launch with: torchrun --standalone --nproc_per_node=N ddp_knobs.py"
     )
-    p.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
-    p.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch")
-    p.add_argument(
+    parser.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
+    parser.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch")
+    parser.add_argument(
         "--comm-hook",
         default="none",
         choices=["none", "fp16", "bf16", "powersgd"],
         help="none = fp32 all-reduce (default); fp16 / bf16 = 16-bit buckets; powersgd = "
         "low-rank compression with error feedback (saved in checkpoints)",
     )
-    p.add_argument("--powersgd-rank", type=int, default=2, help="approximation rank (default 2)")
-    p.add_argument(
+    parser.add_argument(
+        "--powersgd-rank", type=int, default=2, help="approximation rank (default 2)"
+    )
+    parser.add_argument(
         "--powersgd-warmup",
         type=int,
         default=100,
         help="steps of plain all-reduce before PowerSGD compresses (default 100, at least 2)",
     )
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, MiB")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="default sgd")
-    p.add_argument("--lr", type=float, help="as given for any world size (sgd 0.05, adamw 0.003)")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many (0 = no cap)")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per step PER RANK")
-    p.add_argument("--samples", type=int, default=4096, help="training images (validation: 1/4)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the weights, data and order")
-    p.add_argument("--checkpoint-dir", default="./checkpoints", help="where last.pt goes")
-    p.add_argument("--resume", metavar="PATH|auto", help="resume from PATH; auto = DIR/last.pt")
-    p.add_argument("--log-every", type=int, default=50, help="steps between log lines")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    args = p.parse_args(argv)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, MiB")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="default sgd")
+    parser.add_argument(
+        "--lr", type=float, help="as given for any world size (sgd 0.05, adamw 0.003)"
+    )
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
+    parser.add_argument(
+        "--max-steps", type=int, default=0, help="stop after this many (0 = no cap)"
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step PER RANK")
+    parser.add_argument(
+        "--samples", type=int, default=4096, help="training images (validation: 1/4)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for the weights, data and order")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="where last.pt goes")
+    parser.add_argument(
+        "--resume", metavar="PATH|auto", help="resume from PATH; auto = DIR/last.pt"
+    )
+    parser.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.samples < 1 or args.log_every < 1:
         fail("--epochs, --batch-size, --samples and --log-every must be at least 1")
     if args.max_steps < 0 or args.seed < 0:

@@ -97,23 +97,25 @@ def worker(rank, world_size, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Lesson 0: the bare DDP calls, no helper.")
-    p.add_argument(
+    parser = argparse.ArgumentParser(description="Lesson 0: the bare DDP calls, no helper.")
+    parser.add_argument(
         "--nproc",
         type=int,
         default=torch.cuda.device_count() or 2,
         help="processes to start (default: one per GPU, or 2 on CPU)",
     )
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=32, help="PER PROCESS (global = this x nproc)")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="PER PROCESS (global = this x nproc)"
+    )
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
     if torch.cuda.is_available() and not 1 <= args.nproc <= torch.cuda.device_count():
-        p.error(f"--nproc must be 1..{torch.cuda.device_count()}: one process per GPU")
+        parser.error(f"--nproc must be 1..{torch.cuda.device_count()}: one process per GPU")
     for name in ("nproc", "epochs", "batch_size"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     # DDP: where rank 0 will listen: this machine, on a port that is free now.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

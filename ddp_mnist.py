@@ -32,11 +32,11 @@ MEAN, STD = 0.1307, 0.3081
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="Lesson 1: train a small CNN on MNIST with DDP. "
         "Launch with: torchrun --standalone --nproc_per_node=N ddp_mnist.py"
     )
-    p.add_argument(
+    parser.add_argument(
         "--data",
         default="auto",
         choices=["auto", "mnist", "synthetic"],
@@ -44,39 +44,43 @@ def parse_args(argv=None):
         "cannot be); synthetic: generated MNIST-shaped digits, no download; "
         "auto: mnist, or synthetic with a warning when it cannot be had (default)",
     )
-    p.add_argument("--data-dir", default="./data", help="where MNIST/raw/ lives (default ./data)")
-    p.add_argument("--epochs", type=int, default=2, help="passes over the training set (default 2)")
-    p.add_argument(
+    parser.add_argument(
+        "--data-dir", default="./data", help="where MNIST/raw/ lives (default ./data)"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=2, help="passes over the training set (default 2)"
+    )
+    parser.add_argument(
         "--max-steps",
         type=int,
         default=0,
         help="stop after this many optimizer steps in all (0 = no cap); for quick checks",
     )
-    p.add_argument(
+    parser.add_argument(
         "--batch-size",
         type=int,
         default=64,
         help="samples per step PER RANK; the global batch is this x world size (default 64)",
     )
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    p.add_argument(
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed for init, data order and synthetic data"
     )
-    p.add_argument(
+    parser.add_argument(
         "--checkpoint-dir",
         default="./checkpoints",
         help="rank 0 saves mnist.pt here after every epoch (default ./checkpoints)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--backend",
         default="auto",
         choices=["auto", "nccl", "gloo"],
         help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--log-every", type=int, default=100, help="steps between log lines (default 100)"
     )
-    args = p.parse_args(argv)
+    args = parser.parse_args(argv)
     # Every rank parses the flags: rank 0 alone says what is wrong.
     for name in ("epochs", "batch_size", "log_every"):
         if getattr(args, name) < 1:
@@ -238,8 +242,11 @@ def train(args, ddp):
         f"steps {total_steps}"
     )
 
-    step, t_start = 0, time.perf_counter()
-    t_log, loss_sum = t_start, torch.zeros((), device=ddp.device)
+    step = 0
+    start = time.perf_counter()
+    last_log = start
+    # The loss summed since the last log line.
+    loss_sum = torch.zeros((), device=ddp.device)
     for epoch in range(args.epochs):
         # DDP: without this every epoch repeats epoch 0's order.
         sampler.set_epoch(epoch)
@@ -257,14 +264,15 @@ def train(args, ddp):
                 n = (step - 1) % args.log_every + 1
                 # .item() below waits for the GPU: once per log line.
                 now = time.perf_counter()
-                rate = n * args.batch_size * ddp.world_size / (now - t_log)
-                eta = (total_steps - step) * (now - t_start) / step
+                rate = n * args.batch_size * ddp.world_size / (now - last_log)
+                eta = (total_steps - step) * (now - start) / step
                 print0(
                     f"epoch {epoch + 1}/{args.epochs} | step {step}/{total_steps} | "
                     f"loss {loss_sum.item() / n:.4f} | {rate:.0f} samples/s | "
                     f"eta {datetime.timedelta(seconds=round(eta))}"
                 )
-                t_log, loss_sum = now, torch.zeros((), device=ddp.device)
+                last_log = now
+                loss_sum = torch.zeros((), device=ddp.device)
             if step == total_steps:
                 break
         # DDP: evaluate the bare model: every rank holds the same weights, no wrapper needed.
@@ -290,7 +298,7 @@ def train(args, ddp):
         f"done: data {dataset} | world {ddp.world_size} | backend {ddp.backend} | "
         f"device {ddp.device.type} | steps {step} | val_loss {val_loss:.4f} | "
         f"val_acc {100 * val_acc:.2f}% ({correct}/{count}) | "
-        f"time {time.perf_counter() - t_start:.1f}s"
+        f"time {time.perf_counter() - start:.1f}s"
     )
     return model
 

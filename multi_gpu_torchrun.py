@@ -55,66 +55,67 @@ def usage_error(message):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="Lesson 3: DDP training that saves snapshots and resumes after torchrun "
         "restarts a failed worker, after a preemption, or on another world size. Launch with: "
         "torchrun --standalone --nproc_per_node=N --max-restarts=3 multi_gpu_torchrun.py"
     )
-    p.add_argument("--epochs", type=int, default=10, help="epochs to train in all (default 10)")
-    p.add_argument("--max-steps", type=int, default=0, help="stop with a snapshot at step N")
-    p.add_argument(
+    parser.add_argument("--epochs", type=int, default=10, help="epochs in all (default 10)")
+    parser.add_argument("--max-steps", type=int, default=0, help="stop with a snapshot at step N")
+    parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per micro-batch PER RANK (default 32)"
     )
     # The accumulation steps follow: global batch / (world size x --batch-size).
-    p.add_argument(
+    parser.add_argument(
         "--global-batch-size",
         type=int,
         default=0,
         help="samples per optimizer step (default: the snapshot's, else batch size x world size)",
     )
     # No --resume: a restarted worker gets the same command, so it looks for the snapshot.
-    p.add_argument(
+    parser.add_argument(
         "--checkpoint-dir", default="./checkpoints", help="snapshot.pt: resumed from if there"
     )
-    p.add_argument("--save-every", type=int, default=0, help="also snapshot every N steps")
-    p.add_argument(
+    parser.add_argument("--save-every", type=int, default=0, help="also snapshot every N steps")
+    parser.add_argument(
         "--preempt-signals",
         default="SIGTERM,SIGUSR1",
         help="signals that mean 'snapshot and stop', exit 128 + signal number; '' for none",
     )
-    p.add_argument(
+    parser.add_argument(
         "--stop-check-every", type=int, default=10, help="steps between checks for a stop signal"
     )
-    p.add_argument("--samples", type=int, default=4096, help="size of the generated training set")
-    p.add_argument("--hidden", type=int, default=256, help="width of the model's hidden layers")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0, help="for the data, the init, the shuffles")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    parser.add_argument("--samples", type=int, default=4096, help="generated training samples")
+    parser.add_argument("--hidden", type=int, default=256, help="width of the hidden layers")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="for the data, the init, the shuffles")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     # Demo: a crash (SIGKILL, once per checkpoint dir), and time to kill a worker by hand.
-    p.add_argument("--fail-at-step", type=int, default=0, help="--fail-rank dies after step N")
-    p.add_argument("--fail-rank", type=int, default=1, help="the rank --fail-at-step kills")
-    p.add_argument("--step-delay", type=float, default=0.0, help="sleep S seconds per step")
-    p.error = usage_error
-    args = p.parse_args(argv)
+    parser.add_argument("--fail-at-step", type=int, default=0, help="--fail-rank dies after step N")
+    parser.add_argument("--fail-rank", type=int, default=1, help="the rank --fail-at-step kills")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep S seconds per step")
+    parser.error = usage_error
+    args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "samples", "hidden", "stop_check_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for name in ("max_steps", "global_batch_size", "save_every", "fail_at_step", "step_delay"):
         if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.lr <= 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
+        parser.error(f"--lr must be > 0, got {args.lr}")
     if not 0 <= args.dropout < 1:
-        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     args.signals = []
     for name in filter(None, args.preempt_signals.split(",")):
         if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"):
-            p.error(f"--preempt-signals: {name!r} is not SIGTERM, SIGUSR1, SIGUSR2 or SIGINT")
+            parser.error(f"--preempt-signals: {name!r} is not SIGTERM, SIGUSR1, SIGUSR2 or SIGINT")
         args.signals.append(signal.Signals[name])
     world = os.environ.get("WORLD_SIZE", "")
     if args.fail_at_step and world.isdigit() and args.fail_rank >= int(world):
-        p.error(f"--fail-rank {args.fail_rank} does not exist: ranks are 0..{int(world) - 1}")
+        parser.error(f"--fail-rank {args.fail_rank} does not exist: ranks are 0..{int(world) - 1}")
     args.snapshot = os.path.join(args.checkpoint_dir, "snapshot.pt")
     return args
 
@@ -212,35 +213,36 @@ class Trainer:
         return self.epoch * self.steps_per_epoch + self.samples // self.global_batch
 
     def _load_snapshot(self, model):
-        a = self.args
+        args = self.args
         ddp = self.ddp
         # To the CPU first: load_state_dict copies each tensor to its parameter's device.
-        snap = load_checkpoint(a.snapshot, "cpu", model=model, optimizer=self.optimizer)
-        if self.global_batch not in (0, snap["global_batch_size"]):
+        snapshot = load_checkpoint(args.snapshot, "cpu", model=model, optimizer=self.optimizer)
+        if self.global_batch not in (0, snapshot["global_batch_size"]):
             fail(
-                f"{a.snapshot} was trained with --global-batch-size {snap['global_batch_size']}, "
-                f"not {self.global_batch}: resume with the same global batch, or start afresh "
-                "in another --checkpoint-dir",
+                f"{args.snapshot} was trained with --global-batch-size "
+                f"{snapshot['global_batch_size']}, not {self.global_batch}: resume with the same "
+                "global batch, or start afresh in another --checkpoint-dir",
                 rank0_only=True,
             )
-        self.global_batch = snap["global_batch_size"]
-        self.epoch = snap["epoch"]
-        self.samples = snap["samples"]
-        self.carried = snap["seen"]
-        self.history = snap["history"]
-        if (snap["world_size"], snap["batch_size"]) == (ddp.world_size, a.batch_size):
+        self.global_batch = snapshot["global_batch_size"]
+        self.epoch = snapshot["epoch"]
+        self.samples = snapshot["samples"]
+        self.carried = snapshot["seen"]
+        self.history = snapshot["history"]
+        if (snapshot["world_size"], snapshot["batch_size"]) == (ddp.world_size, args.batch_size):
             # DDP: each rank takes back its own RNG state (rank 1's dropout is not rank 0's).
-            torch.set_rng_state(snap["rng"][ddp.rank]["cpu"].cpu())
-            if self.on_gpu and "cuda" in snap["rng"][ddp.rank]:
-                torch.cuda.set_rng_state(snap["rng"][ddp.rank]["cuda"].cpu(), ddp.device)
+            torch.set_rng_state(snapshot["rng"][ddp.rank]["cpu"].cpu())
+            if self.on_gpu and "cuda" in snapshot["rng"][ddp.rank]:
+                torch.cuda.set_rng_state(snapshot["rng"][ddp.rank]["cuda"].cpu(), ddp.device)
         else:
             # Another world size: the same samples in the same steps, but the ranks' random
             # streams cannot be split anew. Dropout draws fresh numbers, seeded by the step.
-            set_seed(a.seed + 1000 * (snap["step"] + 1), ddp.rank)
+            set_seed(args.seed + 1000 * (snapshot["step"] + 1), ddp.rank)
         print0(
-            f"resumed: {a.snapshot} | epoch {self.epoch + 1}/{a.epochs} | samples "
-            f"{self.samples}/{len(self.train_set)} | step {snap['step']} | world "
-            f"{snap['world_size']} -> {ddp.world_size} | restart {self.restart}/{self.max_restarts}"
+            f"resumed: {args.snapshot} | epoch {self.epoch + 1}/{args.epochs} | samples "
+            f"{self.samples}/{len(self.train_set)} | step {snapshot['step']} | world "
+            f"{snapshot['world_size']} -> {ddp.world_size} | restart "
+            f"{self.restart}/{self.max_restarts}"
         )
 
     def _save_snapshot(self):
@@ -303,7 +305,7 @@ class Trainer:
     def _run_epoch(self):
         """Trains the rest of the epoch; returns its mean loss and the samples it trained,
         or None when the ranks agreed to stop or --max-steps was reached."""
-        a = self.args
+        args = self.args
         ddp = self.ddp
         self.sampler.set_epoch(self.epoch)  # DDP: this epoch's shuffle, identical after a restart
         # DDP: rank r holds positions r, r + world, r + 2 world, ... of the epoch's shuffle, so the
@@ -316,7 +318,7 @@ class Trainer:
         # otherwise, and a resumed run (new loader mid-epoch) would draw it one time too many.
         loader = DataLoader(
             self.train_set,
-            batch_size=a.batch_size,
+            batch_size=args.batch_size,
             sampler=order,
             pin_memory=self.on_gpu,
             generator=torch.Generator(),
@@ -332,14 +334,14 @@ class Trainer:
             micro_batches = []
             steps += 1
             self.samples += self.global_batch
-            maybe_fail(a, self.step, ddp.rank)
-            if a.step_delay:
-                time.sleep(a.step_delay)
-            if self._agree_to_stop() or self.step == a.max_steps:
+            maybe_fail(args, self.step, ddp.rank)
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            if self._agree_to_stop() or self.step == args.max_steps:
                 return None
             end_of_epoch = self.samples == self.steps_per_epoch * self.global_batch
             # The epoch's end saves anyway.
-            if a.save_every and self.step % a.save_every == 0 and not end_of_epoch:
+            if args.save_every and self.step % args.save_every == 0 and not end_of_epoch:
                 self._save_snapshot()
         counts = torch.tensor([steps, self.seen], device=ddp.device, dtype=loss_sum.dtype)
         totals = torch.cat([loss_sum.reshape(1), counts])
@@ -355,11 +357,11 @@ class Trainer:
     def train(self):
         """Trains until the last epoch, --max-steps, or an agreed stop; returns the seconds and
         the steps of this attempt."""
-        a = self.args
+        args = self.args
         self.history["starts"].append([self.restart, self.step, self.ddp.world_size])
         t_start = time.perf_counter()
         start_step = self.step
-        while self.epoch < a.epochs and not (a.max_steps and self.step >= a.max_steps):
+        while self.epoch < args.epochs and not (args.max_steps and self.step >= args.max_steps):
             t0 = time.perf_counter()
             result = self._run_epoch()
             if result is None:
@@ -373,7 +375,7 @@ class Trainer:
             rate = (self.step - start_step) / (now - t_start)
             eta = (self.total_steps - self.step) / max(rate, 1e-9)
             print0(
-                f"epoch {self.epoch}/{a.epochs} | step {self.step}/{self.total_steps} | "
+                f"epoch {self.epoch}/{args.epochs} | step {self.step}/{self.total_steps} | "
                 f"loss {loss:.4f} | samples {samples} | {samples / (now - t0):.0f} samples/s | "
                 f"eta {datetime.timedelta(seconds=round(eta))}"
             )

@@ -67,50 +67,53 @@ NANOGPT_CPU_PATCH = [
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    a = p.add_argument
-    a("--pairs", type=int, default=3, help="A/B pairs per comparison (default 3)")
-    a(
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3, help="A/B pairs per comparison (default 3)")
+    parser.add_argument(
         "--procs",
         type=int,
         nargs="+",
         default=[1, 2],
         help="world sizes for the GPT comparison (default 1 2)",
     )
-    a("--gpt-preset", default="tiny", choices=list(GPT_PRESETS))
-    a("--gpt-steps", type=int, default=40, help="optimizer steps per GPT run (default 40)")
-    a("--cifar-procs", type=int, default=2, help="world size for the CIFAR comparison (default 2)")
-    a("--cifar-steps", type=int, default=40, help="optimizer steps per CIFAR run (default 40)")
-    a(
+    parser.add_argument("--gpt-preset", default="tiny", choices=list(GPT_PRESETS))
+    parser.add_argument(
+        "--gpt-steps", type=int, default=40, help="optimizer steps per GPT run (default 40)"
+    )
+    parser.add_argument(
+        "--cifar-procs", type=int, default=2, help="world size for the CIFAR comparison (default 2)"
+    )
+    parser.add_argument(
+        "--cifar-steps", type=int, default=40, help="optimizer steps per CIFAR run (default 40)"
+    )
+    parser.add_argument(
         "--ddp1-steps",
         type=int,
         default=30,
         help="timed steps per model for the world-size-1 check (default 30)",
     )
-    a(
+    parser.add_argument(
         "--warmup",
         type=int,
         default=10,
         help="first steps of every run left out of its rate (default 10)",
     )
-    a("--only", choices=["gpt", "cifar", "ddp1"], help="run one comparison")
-    a("--nanogpt", metavar="DIR", help="a nanoGPT checkout to use (default: git clone into --work)")
-    a(
+    parser.add_argument("--only", choices=["gpt", "cifar", "ddp1"], help="run one comparison")
+    parser.add_argument(
+        "--nanogpt",
+        metavar="DIR",
+        help="a nanoGPT checkout to use (default: git clone into --work)",
+    )
+    parser.add_argument(
         "--work",
         default=os.path.join(ROOT, "bench", ".work"),
         help="scratch: clone, data, checkpoints",
     )
-    args = p.parse_args()
-    if (
-        min(
-            args.pairs,
-            args.ddp1_steps,
-            args.gpt_steps - args.warmup,
-            args.cifar_steps - args.warmup,
-            *args.procs,
-        )
-        < 1
-    ):
+    args = parser.parse_args()
+    counts = [args.pairs, args.ddp1_steps, *args.procs]
+    # Each run needs at least one timed step after its warm-up steps.
+    timed_steps = [args.gpt_steps - args.warmup, args.cifar_steps - args.warmup]
+    if min(counts + timed_steps) < 1:
         fail(
             "--pairs, --procs and --ddp1-steps must be >= 1, "
             "and --gpt/cifar-steps more than --warmup"
@@ -330,14 +333,13 @@ def gpt_pair(args, n, text, nanogpt, cuda):
 
 def cifar_pair(args, cuda):
     """One run of each: lesson 2's default job and the same job in Lightning (2 ranks x 32)."""
-    n, s = args.cifar_procs, args.cifar_steps
-    common = ["--batch-size", 32, "--max-steps", s]
+    common = ["--batch-size", 32, "--max-steps", args.cifar_steps]
     ours = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc_per_node={n}",
+        f"--nproc_per_node={args.cifar_procs}",
         "ddp_training.py",
         "--data",
         "synthetic",
@@ -353,7 +355,7 @@ def cifar_pair(args, cuda):
         sys.executable,
         os.path.join("bench", "lightning_cifar.py"),
         "--devices",
-        n,
+        args.cifar_procs,
         "--subset",
         2000,
         "--warmup-steps",

@@ -63,17 +63,18 @@ class Classifier(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
-        warm, total = self.warmup, self.total
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
+        warmup = self.warmup
+        total = self.total
 
-        def lam(s):
-            if s < warm:
-                return (s + 1) / warm
-            return 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+        # Lesson 2's schedule: linear warm-up, then cosine decay to zero.
+        def lr_factor(step):
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
-        return [opt], [
-            {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lam), "interval": "step"}
-        ]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
 
 class StepClock(L.Callback):
@@ -130,11 +131,13 @@ def main():
     )
     trainer.fit(model, loader)
     if trainer.global_rank == 0:
-        t, w = clock.times, args.warmup_steps
-        rate = (len(t) - w) * args.batch_size * trainer.world_size / (t[-1] - t[w - 1])
+        times = clock.times
+        warmup = args.warmup_steps
+        timed_steps = len(times) - warmup
+        rate = timed_steps * args.batch_size * trainer.world_size / (times[-1] - times[warmup - 1])
         print(
             f"done: lightning {L.__version__} | world {trainer.world_size}"
-            f" | threads {torch.get_num_threads()} | steps {len(t)} | {rate:.1f} samples/s",
+            f" | threads {torch.get_num_threads()} | steps {len(times)} | {rate:.1f} samples/s",
             flush=True,
         )
 
