@@ -26,9 +26,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 def make_dataset(n=2048, dim=16, seed=0):
     """y = a fixed random smooth function of x, plus a little noise: a loss that can fall."""
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(n, dim, generator=g), torch.randn(dim, 1, generator=g) / dim**0.5
-    return TensorDataset(x, torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=g))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=generator)
+    w = torch.randn(dim, 1, generator=generator) / dim**0.5
+    y = torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=generator)
+    return TensorDataset(x, y)
 
 
 def worker(rank, world_size, args):

@@ -192,7 +192,8 @@ def evaluate(model, test_set, ddp, batch_size):
     the DDP wrapper can start a collective (a buffer broadcast) that the other ranks never join."""
     model.eval()
     shard = Subset(test_set, range(ddp.rank, len(test_set), ddp.world_size))
-    loss_sum, correct = torch.zeros((), device=ddp.device), torch.zeros((), device=ddp.device)
+    loss_sum = torch.zeros((), device=ddp.device)
+    correct = torch.zeros((), device=ddp.device)
     for x, y in DataLoader(shard, batch_size=4 * batch_size):
         x, y = x.to(ddp.device, non_blocking=True), y.to(ddp.device, non_blocking=True)
         logits = model(x)
