@@ -191,7 +191,8 @@ def log(loss, step, args, ddp):
             print0(f"step {step + 1}/{args.max_steps} | loss {mean.item() / ddp.world_size:.4f}")
         return
     # FIX (mismatch): every rank joins every collective; only the printing is rank 0's.
-    dist.all_reduce(mean)  # DDP: a collective: every rank must call it, in the same order
+    # DDP: a collective: every rank must call it, in the same order
+    dist.all_reduce(mean)
     print0(f"step {step + 1}/{args.max_steps} | loss {mean.item() / ddp.world_size:.4f}")
 
 
@@ -221,7 +222,8 @@ def train(args, ddp):
                 dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
             loss = loss_of(model, x, y, step, args)
             optimizer.zero_grad()
-            loss.backward()  # DDP: all-reduces the gradients: every rank must get here
+            # DDP: all-reduces the gradients: every rank must get here
+            loss.backward()
             optimizer.step()
             if (step + 1) % args.log_every == 0:
                 log(loss, step, args, ddp)

@@ -102,7 +102,8 @@ def evaluate(model, dataset, ddp, norm, amp_dtype, batch_size):
         totals[1] += (logits.argmax(1) == y).sum()
         # A Python number: no tensor built and copied to the device every batch.
         totals[2] += len(y)
-    dist.all_reduce(totals)  # DDP: sum over the shards
+    # DDP: sum over the shards
+    dist.all_reduce(totals)
     model.train()
     loss_sum, correct, count = totals.tolist()
     return loss_sum / max(count, 1), correct / max(count, 1), int(correct), int(count)
@@ -189,7 +190,8 @@ class Trainer:
             ckpt = load_checkpoint(path, **{name: getattr(self, name) for name in targets})
             found = (ckpt.get("step"), ckpt.get("global_batch"))
         everyone = [None] * self.ddp.world_size
-        dist.all_gather_object(everyone, found)  # DDP: what did every rank find?
+        # DDP: what did every rank find?
+        dist.all_gather_object(everyone, found)
         if len(set(everyone)) > 1:
             fail(
                 f"ranks found different checkpoints ((step, global batch) by rank: {everyone}): "
@@ -253,7 +255,8 @@ class Trainer:
         ddp = self.ddp
         progress = self.progress
         epoch = progress["epoch"]
-        self.sampler.set_epoch(epoch)  # DDP: else every epoch repeats epoch 0's order
+        # DDP: else every epoch repeats epoch 0's order
+        self.sampler.set_epoch(epoch)
         # DDP: rank r holds positions r, r+W, r+2W, ... of the epoch's permutation, so the global
         # batch of step s (positions sG .. (s+1)G) is items sG/W .. (s+1)G/W of every rank's
         # shard, on any world size. A resume starts at the first global sample not yet seen.
@@ -417,7 +420,8 @@ class Trainer:
 def main(argv=None):
     """Train; returns the progress and final metrics (the tests call this under mp.spawn)."""
     args = parse_args(argv)
-    ddp = setup(args.backend)  # DDP: join the process group; pick this rank's device
+    # DDP: join the process group; pick this rank's device
+    ddp = setup(args.backend)
     # The same seed everywhere: the same initial weights (DDP broadcasts rank 0's too).
     set_seed(args.seed)
     trainer = Trainer(args, ddp)

@@ -44,14 +44,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_checkpoint import load_checkpoint, save_checkpoint
 from ddp_common import cleanup, fail, print0, set_seed, setup
-from restart_demo import make_dataset, make_model, maybe_fail
-
-
-def usage_error(message):
-    """Under torchrun every rank parses the arguments: only rank 0 prints the mistake, once."""
-    if os.environ.get("RANK", "0") == "0":
-        fail(message)
-    sys.exit(2)
+from restart_demo import lost_peer, make_dataset, make_model, maybe_fail, usage_error
 
 
 def parse_args(argv=None):
@@ -142,7 +135,8 @@ def snapshot_exists(path, ddp):
     system caching 'no such file', some ranks would resume and the others start from scratch,
     and the job would hang in a collective at the first step they disagree on."""
     seen = torch.tensor([float(os.path.isfile(path))], device=ddp.device)
-    dist.all_reduce(seen)  # DDP: how many ranks see the file (once, at start)
+    # DDP: how many ranks see the file (once, at start)
+    dist.all_reduce(seen)
     count = int(seen.item())
     if 0 < count < ddp.world_size:
         fail(
@@ -165,7 +159,8 @@ class Trainer:
         self.on_gpu = ddp.device.type == "cuda"
         # bf16 autocast where the GPU really has bf16 (no loss scaling needed); fp32 elsewhere.
         self.bf16 = self.on_gpu and torch.cuda.is_bf16_supported(including_emulation=False)
-        set_seed(args.seed)  # the same initial weights on every rank
+        # The same initial weights on every rank
+        set_seed(args.seed)
         model = make_model(args.hidden, args.dropout).to(ddp.device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
         # DDP: the same shuffle seed on every rank and restart; set_epoch() varies it by epoch.
@@ -178,18 +173,21 @@ class Trainer:
         self.carried = 0
         self.seen = 0
         self.history = {"starts": [], "losses": [], "samples": []}
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # DDP: set by torchrun
+        # DDP: torchrun tells each worker which attempt this is, and how many it allows.
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
         # The stop signal the ranks agreed on (0: none).
         self.stop_signal = 0
-        if ddp.is_main:  # a save killed half-way leaves its temp file behind: tidy up
+        # A save killed half-way leaves its temp file behind: tidy up
+        if ddp.is_main:
             for leftover in glob.glob(glob.escape(args.snapshot) + ".*.tmp"):
                 os.remove(leftover)
         self.global_batch = args.global_batch_size
         if snapshot_exists(args.snapshot, ddp):
             self._load_snapshot(model)
         else:
-            set_seed(args.seed, ddp.rank)  # per-rank randomness (dropout) from here on
+            # Per-rank randomness (dropout) from here on
+            set_seed(args.seed, ddp.rank)
         if self.global_batch == 0:
             self.global_batch = args.batch_size * ddp.world_size
         self.accum = self.global_batch // (args.batch_size * ddp.world_size)
@@ -251,7 +249,8 @@ class Trainer:
         per_rank = [None] * self.ddp.world_size
         dist.all_gather_object(per_rank, (rng_state(self.ddp.device), self.seen))
         snapshot = {
-            "model": self.model.module.state_dict(),  # DDP: the bare model, no 'module.'
+            # DDP: the bare model, no 'module.'
+            "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "epoch": self.epoch,
             "samples": self.samples,
@@ -263,7 +262,8 @@ class Trainer:
             "batch_size": self.args.batch_size,
             "global_batch_size": self.global_batch,
         }
-        save_checkpoint(snapshot, self.args.snapshot)  # DDP: every rank calls; rank 0 writes
+        # DDP: every rank calls; rank 0 writes
+        save_checkpoint(snapshot, self.args.snapshot)
         print0(f"saved: {self.args.snapshot} | step {self.step}/{self.total_steps}")
 
     def _agree_to_stop(self):
@@ -275,7 +275,8 @@ class Trainer:
         if self.step % self.args.stop_check_every != 0:
             return False
         flag = torch.tensor([float(received_signal)], device=self.ddp.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # DDP: the same answer on every rank
+        # DDP: the same answer on every rank
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stop_signal = int(flag.item())
         return self.stop_signal != 0
 
@@ -307,7 +308,8 @@ class Trainer:
         or None when the ranks agreed to stop or --max-steps was reached."""
         args = self.args
         ddp = self.ddp
-        self.sampler.set_epoch(self.epoch)  # DDP: this epoch's shuffle, identical after a restart
+        # DDP: this epoch's shuffle, identical after a restart
+        self.sampler.set_epoch(self.epoch)
         # DDP: rank r holds positions r, r + world, r + 2 world, ... of the epoch's shuffle, so the
         # global positions s .. s + G are this rank's s / world .. (s + G) / world: taken in
         # order, this rank's micro-batches of a step are its share of the same global batch.
@@ -330,7 +332,8 @@ class Trainer:
             micro_batches.append((x, y))
             if len(micro_batches) < self.accum:
                 continue
-            loss_sum += self._train_step(micro_batches)  # stays on the device: no host sync
+            # Stays on the device: no host sync
+            loss_sum += self._train_step(micro_batches)
             micro_batches = []
             steps += 1
             self.samples += self.global_batch
@@ -345,7 +348,8 @@ class Trainer:
                 self._save_snapshot()
         counts = torch.tensor([steps, self.seen], device=ddp.device, dtype=loss_sum.dtype)
         totals = torch.cat([loss_sum.reshape(1), counts])
-        dist.all_reduce(totals)  # DDP: loss and samples over all ranks (a host sync per epoch)
+        # DDP: loss and samples over all ranks (a host sync per epoch)
+        dist.all_reduce(totals)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         samples = self.carried + int(totals[2].item())
         self.epoch += 1
@@ -379,19 +383,9 @@ class Trainer:
                 f"loss {loss:.4f} | samples {samples} | {samples / (now - t0):.0f} samples/s | "
                 f"eta {datetime.timedelta(seconds=round(eta))}"
             )
-            self._save_snapshot()  # every epoch end: a restart loses at most one epoch
+            # Every epoch end: a restart loses at most one epoch
+            self._save_snapshot()
         return time.perf_counter() - t_start, self.step - start_step
-
-
-def lost_peer(error):
-    """Did a collective fail because another rank went away? (gloo raises a plain RuntimeError
-    from inside backward; newer code raises dist.DistError.)"""
-    text = str(error)
-    if isinstance(error, dist.DistError):
-        return True
-    # A peer cut off the network closes nothing: gloo's collective times out instead.
-    signs = ("Connection closed by", "Connection reset by", "remote worker", "Timed out", "NCCL")
-    return any(sign in text for sign in signs)
 
 
 @record
@@ -400,7 +394,8 @@ def main(argv=None):
     # First thing: a signal that comes while the group forms is kept for the first check.
     for sig in args.signals:
         signal.signal(sig, on_stop_signal)
-    ddp = setup(args.backend)  # DDP: join the process group (a fresh one on every restart)
+    # DDP: join the process group (a fresh one on every restart)
+    ddp = setup(args.backend)
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
         print0(
             "warning: torchrun --max-restarts is 0 (its default): if a worker dies the job "
@@ -415,7 +410,8 @@ def main(argv=None):
     )
     try:
         seconds, steps = trainer.train()
-    except RuntimeError as e:  # another rank died: this one cannot go on alone
+    except RuntimeError as e:
+        # Another rank died: this one cannot go on alone
         if not lost_peer(e):
             raise
         # Drop gloo's [file:line] prefix; keep the first sentence.
@@ -441,7 +437,8 @@ def main(argv=None):
             f"{losses[0]:.4f}) | restarts {trainer.restart} | steps this attempt {steps} | "
             f"time {seconds:.1f}s"
         )
-    del trainer  # free the DDP wrapper before leaving the group (see ddp_common.cleanup)
+    # Free the DDP wrapper before leaving the group (see ddp_common.cleanup)
+    del trainer
     cleanup()
     if stop_signal:
         # DDP: 128 + the signal, as a shell reports a process killed by it: the launcher (and

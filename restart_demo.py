@@ -1,12 +1,17 @@
 """What lesson 3 (multi_gpu_torchrun.py, its only importer) needs but does not teach: a task
-worth learning that every rank can make (generated data, a small MLP) and the demo's crash."""
+worth learning that every rank can make (generated data, a small MLP), the demo's crash, how a
+surviving rank tells a lost peer from a bug in its own code, and one error line for a bad flag."""
 
 import os
 import signal
+import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import TensorDataset
+
+from ddp_common import fail
 
 
 def make_dataset(n, seed, dim=20):
@@ -47,3 +52,21 @@ def maybe_fail(args, step, rank):
         os.fsync(f.fileno())
     print(f"fail: rank {rank} | step {step} | SIGKILL (--fail-at-step)", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lost_peer(error):
+    """Did a collective fail because another rank went away? (gloo raises a plain RuntimeError
+    from inside backward; newer code raises dist.DistError.)"""
+    text = str(error)
+    if isinstance(error, dist.DistError):
+        return True
+    # A peer cut off the network closes nothing: gloo's collective times out instead.
+    signs = ("Connection closed by", "Connection reset by", "remote worker", "Timed out", "NCCL")
+    return any(sign in text for sign in signs)
+
+
+def usage_error(message):
+    """Under torchrun every rank parses the arguments: only rank 0 prints the mistake, once."""
+    if os.environ.get("RANK", "0") == "0":
+        fail(message)
+    sys.exit(2)

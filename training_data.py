@@ -101,7 +101,8 @@ def load_data(data, data_dir, subset, seed, ddp):
             reason = " ".join(str(e).split())[:150]
             problem = f"rank {ddp.rank} (node {ddp.node_rank}) in {data_dir}: {reason}"
     problems = [None] * ddp.world_size
-    dist.all_gather_object(problems, problem)  # DDP: every rank learns every rank's outcome
+    # DDP: every rank learns every rank's outcome
+    dist.all_gather_object(problems, problem)
     bad = [p for p in problems if p]
     if bad:
         where = f"on {len(bad)} of {ddp.world_size} ranks ({bad[0]})"
