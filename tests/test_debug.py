@@ -115,12 +115,26 @@ def test_uneven_hangs_until_the_timeout_and_py_spy_shows_each_rank_s_line(tmp_pa
         stacks[rank] = dump.stdout + dump.stderr
     code, seconds = job.end()
     assert code != 0 and seconds < 150
-    backward = f"train (ddp_debug.py:{line_of('loss.backward()  # DDP')})"
+    backward = f"train (ddp_debug.py:{line_of('loss.backward()')})"
     barrier = f"train (ddp_debug.py:{line_of('    dist.barrier()')})"
     assert sorted(stacks) == [0, 1, 2], stacks
     assert backward in stacks[0] and backward in stacks[1], stacks
     assert barrier in stacks[2], stacks[2]
     assert "Timed out waiting 20000ms" in job.output()
+
+
+def test_the_readme_names_the_lines_py_spy_shows():
+    """The stacks the README shows, and its prose, point at the lines of ddp_debug.py as it is."""
+    readme = (ROOT / "README.md").read_text()
+    backward = line_of("loss.backward()")
+    barrier = line_of("    dist.barrier()")
+    assert f"train (ddp_debug.py:{backward})" in readme
+    assert f"train (ddp_debug.py:{barrier})" in readme
+    assert f"Line {backward} is `loss.backward()`, line {barrier} the end-of-epoch" in readme
+    # The fault handler's stack (mismatch) and torchrun's summary (crash).
+    assert f'ddp_debug.py", line {line_of("            dist.all_reduce(mean)")} in log' in readme
+    assert f'ddp_debug.py", line {line_of("    log(loss, step, args, ddp)")} in train' in readme
+    assert f'ddp_debug.py", line {line_of("cannot decode")}, in load' in readme
 
 
 def test_crash_under_record_puts_the_real_exception_in_torchrun_s_summary(tmp_path):
