@@ -62,36 +62,58 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     # allow_abbrev=False: --quick is spotted in argv by its full name below.
-    p = Parser(
+    parser = Parser(
         description="Lesson 6: DDP scaling, step time breakdown, all-reduce bandwidth.",
         allow_abbrev=False,
     )
-    p.add_argument("--model", default="mnist", choices=list(DEFAULT_BATCH), help="default mnist")
-    p.add_argument("--max-procs", type=int, default=0, help="largest world size (GPUs, else cores)")
-    p.add_argument("--strong", action="store_true", help="fixed GLOBAL batch (default: weak)")
-    p.add_argument("--batch-size", type=int, help="per rank; global with --strong (by model)")
-    p.add_argument("--image-size", type=int, default=224, help="resnet input side (default 224)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant (default 5)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
-    p.add_argument("--bucket-cap-mb", type=float, nargs="+", default=[25.0], help="e.g. 25 1 100")
-    p.add_argument("--comm-hook", nargs="+", default=["none"], choices=HOOKS, help="DDP hook(s)")
-    p.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD rank (default 2)")
-    p.add_argument("--powersgd-warmup", type=int, default=2, help="plain steps first (min 2)")
-    p.add_argument("--grad-as-bucket-view", action="store_true", help="gradients in the buckets")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (cores / world)")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
-    p.add_argument("--allreduce-max-mb", type=float, default=64.0, help="largest all-reduce, MiB")
-    p.add_argument("--allreduce-iters", type=int, default=20, help="timed all-reduces per size")
-    p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    p.add_argument("--seed", type=int, default=0, help="seed for the weights and the batches")
-    p.add_argument("--json", default="", metavar="FILE", help="also write every record here")
-    p.add_argument("--plot", default="", metavar="FILE.png", help="scaling plot (matplotlib)")
-    p.add_argument("--quick", action="store_true", help=f"a tiny run: {QUICK}")
+    parser.add_argument(
+        "--model", default="mnist", choices=list(DEFAULT_BATCH), help="default mnist"
+    )
+    parser.add_argument(
+        "--max-procs", type=int, default=0, help="largest world size (GPUs, else cores)"
+    )
+    parser.add_argument("--strong", action="store_true", help="fixed GLOBAL batch (default: weak)")
+    parser.add_argument("--batch-size", type=int, help="per rank; global with --strong (by model)")
+    parser.add_argument(
+        "--image-size", type=int, default=224, help="resnet input side (default 224)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps per variant (default 5)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=30, help="timed steps per variant (default 30)"
+    )
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, nargs="+", default=[25.0], help="e.g. 25 1 100"
+    )
+    parser.add_argument(
+        "--comm-hook", nargs="+", default=["none"], choices=HOOKS, help="DDP hook(s)"
+    )
+    parser.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD rank (default 2)")
+    parser.add_argument("--powersgd-warmup", type=int, default=2, help="plain steps first (min 2)")
+    parser.add_argument(
+        "--grad-as-bucket-view", action="store_true", help="gradients in the buckets"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="CPU threads per rank (cores / world)"
+    )
+    parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
+    parser.add_argument(
+        "--allreduce-max-mb", type=float, default=64.0, help="largest all-reduce, MiB"
+    )
+    parser.add_argument(
+        "--allreduce-iters", type=int, default=20, help="timed all-reduces per size"
+    )
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the batches")
+    parser.add_argument("--json", default="", metavar="FILE", help="also write every record here")
+    parser.add_argument("--plot", default="", metavar="FILE.png", help="scaling plot (matplotlib)")
+    parser.add_argument("--quick", action="store_true", help=f"a tiny run: {QUICK}")
     if argv is None:
         argv = sys.argv[1:]
     if "--quick" in argv:
-        p.set_defaults(**QUICK)
-    args = p.parse_args(argv)
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = DEFAULT_BATCH[args.model]
     # Each variant once, in the order given.
@@ -190,9 +212,9 @@ def make_step(model, batch, args, device, sync=True):
 
 def slowest_rank(values, device):
     """Element-wise maximum over ranks: a data-parallel step is as slow as its slowest rank."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    slowest = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
 
 
 def time_variants(variants, args, device):

@@ -115,10 +115,10 @@ class Net(nn.Module):
         self.aux = nn.Linear(16, 1)
 
     def forward(self, x, use_aux=True):
-        h = self.body(x)
+        hidden = self.body(x)
         if not use_aux:
-            return self.head(h), None
-        return self.head(h), self.aux(h)
+            return self.head(hidden), None
+        return self.head(hidden), self.aux(hidden)
 
 
 def shard(args, rank, world_size):
@@ -127,8 +127,8 @@ def shard(args, rank, world_size):
     steps = args.max_steps
     if args.fault == "uneven" and rank == args.bad_rank:
         steps = args.fault_step
-    g = torch.Generator().manual_seed(args.seed + 1000 + rank)
-    x = torch.randn(steps * args.batch_size, 8, generator=g)
+    generator = torch.Generator().manual_seed(args.seed + 1000 + rank)
+    x = torch.randn(steps * args.batch_size, 8, generator=generator)
     y = x[:, :4].sum(1, keepdim=True)
     return TensorDataset(x, y)
 

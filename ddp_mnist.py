@@ -122,17 +122,17 @@ def load_mnist(data_dir, download):
 def synthetic_mnist(seed, n_train=60000, n_test=10000):
     """MNIST-shaped data that can be learned: each class is a fixed random smooth pattern, each
     sample that pattern, shifted by a pixel or two, plus noise. Same on every rank (fixed seed)."""
-    g = torch.Generator().manual_seed(seed + 12345)
-    protos = F.interpolate(torch.rand(10, 1, 7, 7, generator=g), size=28, mode="bilinear")
+    generator = torch.Generator().manual_seed(seed + 12345)
+    protos = F.interpolate(torch.rand(10, 1, 7, 7, generator=generator), size=28, mode="bilinear")
     # each prototype moved by (-2..2, -2..2) pixels: pattern k of class c is shifted[c * 25 + k]
     shifted = torch.cat(
         [torch.roll(protos, shifts=(k // 5 - 2, k % 5 - 2), dims=(2, 3)) for k in range(25)], dim=1
     ).view(250, 1, 28, 28)
 
     def make(n):
-        y = torch.randint(0, 10, (n,), generator=g)
-        shift = torch.randint(0, 25, (n,), generator=g)
-        x = torch.randn(n, 1, 28, 28, generator=g).mul_(1.2).add_(shifted[y * 25 + shift])
+        y = torch.randint(0, 10, (n,), generator=generator)
+        shift = torch.randint(0, 25, (n,), generator=generator)
+        x = torch.randn(n, 1, 28, 28, generator=generator).mul_(1.2).add_(shifted[y * 25 + shift])
         return TensorDataset(x.sub_(x.mean()).div_(x.std()), y)
 
     return make(n_train), make(n_test)

@@ -17,12 +17,12 @@ from ddp_common import fail
 def make_dataset(n, seed, dim=20):
     """Targets come from a fixed random 'teacher' network plus a little noise; the student must
     find the function. The same on every rank (its own generator)."""
-    g = torch.Generator().manual_seed(seed + 3)
-    x = torch.randn(n, dim, generator=g)
-    w1 = torch.randn(dim, 64, generator=g) / dim**0.5
-    w2 = torch.randn(64, 1, generator=g)
+    generator = torch.Generator().manual_seed(seed + 3)
+    x = torch.randn(n, dim, generator=generator)
+    w1 = torch.randn(dim, 64, generator=generator) / dim**0.5
+    w2 = torch.randn(64, 1, generator=generator)
     y = torch.tanh(x @ w1) @ w2
-    y = (y - y.mean()) / y.std() + 0.05 * torch.randn(n, 1, generator=g)
+    y = (y - y.mean()) / y.std() + 0.05 * torch.randn(n, 1, generator=generator)
     return TensorDataset(x, y)
 
 
