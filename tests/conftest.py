@@ -1,6 +1,7 @@
 """Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
 and the whole process tree killed when a run fails or hangs."""
 
+import contextlib
 import fcntl
 import os
 import random
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,9 +69,10 @@ def _bindable(port):
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest.ini's `--dist loadscope` gives each test module to one worker, so a module's fixtures
-    run once. test_readme's commands (a third of the suite's time) would then run one after another
-    on one worker, the suite's longest chain: each command, with the check of the output it shows
-    (they share one run), is a unit of its own instead."""
+    run once. test_readme's commands (over a third of the suite's time) would then run one after
+    another on one worker, the suite's longest chain: each command, with the check of the output it
+    shows (they share one run), is a unit of its own instead, or joins the module whose tests
+    reuse its run (REUSED_RUNS)."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -77,9 +81,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):
             # Tests that mostly wait (for a timeout, a rendezvous, a lost node) and share no
             # module fixture: each its own unit, so their waits overlap on other workers.
-            if re.search(
-                r"test_debug\.py::|test_elastic\.py::test_(elastic_job|a_node_cut)", nodeid
-            ):
+            if re.search(r"test_elastic\.py::test_(elastic_job|a_node_cut)", nodeid):
                 return nodeid
             # A README command that submits to Slurm runs beside test_slurm.py, on its worker:
             # one test cluster per suite, its jobs one at a time (seen: a second cluster on
@@ -89,7 +91,9 @@ def pytest_xdist_make_scheduler(config, log):
             m = re.search(
                 r"test_readme\.py::test_(command_runs|shown_output)\w*\[(\S+ of )?(\S+:\d+)", nodeid
             )
-            return m.group(3) if m else super()._split_scope(nodeid)
+            if m:
+                return README_UNITS.get(m.group(3), m.group(3))
+            return super()._split_scope(nodeid)
 
         def _assign_work_unit(self, node):
             # Longest units first: a long one handed out last is the suite's tail, its worker
@@ -107,6 +111,7 @@ def pytest_xdist_make_scheduler(config, log):
 LONGEST_UNITS = [
     "tests/test_torchrun_restart.py",
     "tests/test_training.py",
+    "tests/test_debug.py",
     "tests/test_gpt2.py",
     "tests/test_slurm.py",
     "tests/test_mnist.py",
@@ -114,9 +119,7 @@ LONGEST_UNITS = [
     "tests/test_benchmark.py",
     "test_elastic.py::test_elastic_job",
     "test_elastic.py::test_a_node_cut",
-    "test_debug.py::test_uneven",
     "tests/test_elastic.py",
-    "test_debug.py::test_straggler",
 ]
 
 
@@ -485,3 +488,192 @@ def slurm():
     finally:
         subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+# ---- the commands the README and docs print (test_readme.py; lessons' tests reuse some) ----
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+
+
+@dataclass
+class Block:
+    page: str  # path relative to the repository
+    line: int  # line of the opening fence
+    info: list  # words after ``` (language first)
+    body: str
+
+    @property
+    def lang(self):
+        return self.info[0] if self.info else ""
+
+    @property
+    def key(self):
+        return f"{self.page}:{self.line}"
+
+
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def fenced_blocks(path):
+    text = path.read_text()
+    return [
+        Block(
+            str(path.relative_to(ROOT)),
+            text.count("\n", 0, m.start()) + 1,
+            m.group(1).split(),
+            m.group(2),
+        )
+        for m in FENCE.finditer(text)
+    ]
+
+
+BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
+
+
+def script_of(block):
+    """The block as a script; a `# cpu: FLAGS` line appends FLAGS to the line above."""
+    lines = []
+    for line in block.body.splitlines():
+        m = re.match(r"\s*# cpu:(.*)", line)
+        if m and lines:
+            lines[-1] = lines[-1].rstrip() + " " + m.group(1).strip()
+        else:
+            lines.append(line)
+    return "\n".join(lines).strip()
+
+
+BASH = [b for b in BLOCKS if b.lang == "bash"]
+
+# README commands whose run a lesson's own tests also assert on (the fixture readme_run), by a
+# fragment of the command, and the test module that does. Each command runs once per session:
+# the scheduler (pytest_xdist_make_scheduler) gives it to the worker that runs that module.
+REUSED_RUNS = {
+    "python ddp_minimal.py": "tests/test_minimal.py",
+    "ddp_knobs.py --zero": "tests/test_knobs.py",
+    "ddp_debug.py": "tests/test_debug.py",
+}
+README_UNITS = {
+    b.key: module
+    for b in BASH
+    if b.page == "README.md"
+    for fragment, module in REUSED_RUNS.items()
+    if fragment in script_of(b)
+}
+
+
+def needs_slurm(script):
+    return re.search(r"\b(sbatch|srun|salloc)\b", script) is not None
+
+
+def repo_copy(dest):
+    """A copy of the repository (what git tracks or would track), sharing this venv, so commands
+    that write ./data, ./checkpoints or snapshots do not touch the working tree."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    for f in files or [p.name for p in ROOT.glob("*.py")]:
+        if (ROOT / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    if (ROOT / ".venv").is_dir():
+        os.symlink(ROOT / ".venv", dest / ".venv")
+    return dest
+
+
+def processes_with(token, wait=5):
+    """Processes whose environment carries token (what is left of one run), after giving them
+    `wait` seconds to end: a launcher that has stopped its workers may exit before the kernel has
+    reaped them."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if token.encode() in f.read():
+                        left.append(int(entry))
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+_RUNS = {}  # script -> CompletedProcess: each block (and each identical script) runs once
+
+
+def readme_block(fragment):
+    """The one ```bash block of the README whose command contains fragment."""
+    found = [b for b in BASH if b.page == "README.md" and fragment in script_of(b)]
+    assert len(found) == 1, f"{len(found)} README commands contain {fragment!r}"
+    return found[0]
+
+
+@pytest.fixture
+def readme_run(request, tmp_path_factory):
+    """readme_run(block), or readme_run(fragment) for the one README command that contains it:
+    the command's run, once per session (test_readme's checks and a lesson's tests share it).
+    A CompletedProcess (stdout, stderr, returncode) plus: cwd, the folder it ran in; seconds,
+    how long it took; left, the pids of its processes still running after it returned (they
+    are killed then)."""
+
+    def get(block):
+        if isinstance(block, str):
+            block = readme_block(block)
+            module = request.node.nodeid.split("::")[0]
+            assert README_UNITS.get(block.key) == module, (
+                f"{module} reuses {block.key}: add the command to REUSED_RUNS so that it runs "
+                "once, on the worker that runs this module"
+            )
+        script = script_of(block)
+        if script not in _RUNS:
+            _RUNS[script] = run_block(block, request, tmp_path_factory)
+        return _RUNS[script]
+
+    return get
+
+
+def run_block(block, request, tmp_path_factory):
+    script = script_of(block)
+    slurm_env = request.getfixturevalue("slurm") if needs_slurm(script) else {}  # real Slurm
+    if "python3 -m venv .venv" in script:
+        # The set-up command (re)creates ./.venv: run it in the repository itself, against the
+        # venv the tests run from (venv will not build into a symlink); pip then finds
+        # everything installed. Its ./data and ./checkpoints are git-ignored.
+        if (
+            not (ROOT / ".venv").is_dir()
+            or Path(sys.prefix).resolve() != (ROOT / ".venv").resolve()
+        ):
+            pytest.skip(
+                "the tests do not run from ./.venv, so the set-up command would build a new one"
+            )
+        cwd = ROOT
+    else:
+        cwd = repo_copy(tmp_path_factory.mktemp("repo"))
+    bin_dir = os.path.dirname(sys.executable)
+    # Every process the command starts carries run_id, so the test can tell whether any of them
+    # is left when it returns.
+    run_id = uuid.uuid4().hex
+    env = cpu_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHONPATH="",
+        https_proxy="http://127.0.0.1:9",
+        http_proxy="http://127.0.0.1:9",
+        HF_HUB_OFFLINE="1",
+        DDP_COURSE_RUN=run_id,
+    )
+    env.update(slurm_env)
+    fixed = sorted(set(re.findall(r"127\.0\.0\.1:(\d+)", script)))  # a port printed in the command
+    start = time.monotonic()
+    with contextlib.ExitStack() as held:
+        for port in fixed:  # another test session (two suites at once) waits for it, not collides
+            lock = held.enter_context(open(f"/tmp/ddp-course-port-{port}.lock", "w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        result = run(["bash", "-euo", "pipefail", "-c", script], timeout=300, env=env, cwd=cwd)
+    result.seconds = time.monotonic() - start
+    result.cwd = cwd
+    result.left = processes_with(f"DDP_COURSE_RUN={run_id}")
+    kill_tree(*result.left)
+    return result

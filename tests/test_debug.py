@@ -1,18 +1,16 @@
 """Lesson 8 (ddp_debug.py): each fault breaks the job, ends it within the short timeout with no
 process left behind, and its diagnosis names the culprit rank and the line or the operation; each
-fix runs, and Join's gradients are what it promises, computed here by hand."""
+fix runs, and Join's gradients are what it promises, computed here by hand.
 
-import os
+The faults run as the README prints them: these tests assert on the same runs whose output
+test_readme.py compares with what the README shows (conftest.readme_run runs each command once)."""
+
 import re
-import signal
 import subprocess
 import sys
-import time
-import uuid
 
-import pytest
 import torch
-from conftest import ROOT, cpu_env, kill_tree, spawn, torchrun_cmd, torchrun_env
+from conftest import ROOT, cpu_env, spawn, torchrun_env
 
 import ddp_common
 import ddp_debug
@@ -27,100 +25,31 @@ def line_of(code):
     return found[0]
 
 
-def processes_with(token):
-    """Processes whose environment carries token: what is left of one launch."""
-    left = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if token.encode() in f.read():
-                    left.append(int(entry))
-        except OSError:
-            continue
-    return left
+def ended_by_itself(result):
+    """The launch failed, by itself and soon (the README prints `exit code $?` after a failed
+    one), and left no process behind."""
+    codes = re.findall(r"^exit code (\d+)$", result.stdout, re.M)
+    assert len(codes) == 1 and codes[0] != "0", result.stdout[-2000:]
+    assert result.seconds < 150
+    assert not result.left, f"processes left behind: {result.left}"
 
 
-class Job:
-    """A torchrun launch of the lesson, its output in a file, its processes tagged."""
-
-    def __init__(self, tmp_path, *args, nproc=2, extra=(), env=None):
-        self.token = f"DDP_DEBUG_TEST={uuid.uuid4().hex}"
-        self.log = tmp_path / f"job-{self.token[-8:]}.log"
-        name, value = self.token.split("=")
-        environment = cpu_env(**{name: value}, **(env or {}))
-        cmd = torchrun_cmd("ddp_debug.py", *args, nproc=nproc, extra=extra)
-        self.start = time.monotonic()
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                [str(c) for c in cmd],
-                cwd=tmp_path,
-                env=environment,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-
-    def output(self):
-        return self.log.read_text()
-
-    def wait_for(self, pattern, timeout=120):
-        """Wait until the output matches pattern (the job got that far)."""
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.output(), re.M):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"never printed {pattern!r}:\n{self.output()[-3000:]}")
-            time.sleep(0.5)
-
-    def workers(self):
-        return [pid for pid in processes_with(self.token) if pid != self.proc.pid]
-
-    def end(self, timeout=150):
-        """Wait for the job to end by itself; then no process of it may be left."""
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail(f"still running after {timeout}s:\n{self.output()[-3000:]}")
-        seconds = time.monotonic() - self.start
-        # torchrun has stopped its workers before it exits; give the kernel a moment to reap.
-        time.sleep(1)
-        left = processes_with(self.token)
-        self.stop()
-        assert not left, f"processes left behind: {left}"
-        return code, seconds
-
-    def stop(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        kill_tree(self.proc.pid, *processes_with(self.token))
-
-
-def test_uneven_hangs_until_the_timeout_and_py_spy_shows_each_rank_s_line(tmp_path):
-    """3 ranks; rank 2 has 3 batches, the others 8: ranks 0 and 1 wait in step 4's gradient
-    all-reduce, rank 2 at the end-of-epoch barrier, until the 10 s timeout ends the job."""
-    job = Job(tmp_path, "--fault", "uneven", "--timeout", "20", nproc=3)
-    job.wait_for(r"^step 2/8")
-    time.sleep(3)
-    stacks = {}
-    for pid in job.workers():
-        dump = subprocess.run(
-            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
-        )
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        rank = int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
-        stacks[rank] = dump.stdout + dump.stderr
-    code, seconds = job.end()
-    assert code != 0 and seconds < 150
+def test_uneven_hangs_until_the_timeout_and_py_spy_shows_each_rank_s_line(readme_run):
+    """2 ranks; rank 1's shard is short. py-spy, run while the job hangs, finds one rank waiting in
+    the next step's gradient all-reduce (inside loss.backward()) and the other at the end-of-epoch
+    barrier, until the 20 s timeout ends the job."""
+    result = readme_run("--fault uneven --timeout 20")
+    assert result.returncode == 0, result.stderr[-2000:]
+    dumps = re.split(r"^Process \d+: ", result.stdout, flags=re.M)[1:]
     backward = f"train (ddp_debug.py:{line_of('loss.backward()')})"
     barrier = f"train (ddp_debug.py:{line_of('    dist.barrier()')})"
-    assert sorted(stacks) == [0, 1, 2], stacks
-    assert backward in stacks[0] and backward in stacks[1], stacks
-    assert barrier in stacks[2], stacks[2]
-    assert "Timed out waiting 20000ms" in job.output()
+    assert len(dumps) == 2, result.stdout
+    assert len([dump for dump in dumps if backward in dump]) == 1, result.stdout
+    assert len([dump for dump in dumps if barrier in dump]) == 1, result.stdout
+    # The README's `wait $! || grep "Timed out" uneven.log`: torchrun failed, on the timeout.
+    assert "Timed out waiting 20000ms" in result.stdout, result.stdout[-2000:]
+    assert result.seconds < 150
+    assert not result.left, f"processes left behind: {result.left}"
 
 
 def test_the_readme_names_the_lines_py_spy_shows():
@@ -137,17 +66,10 @@ def test_the_readme_names_the_lines_py_spy_shows():
     assert f'ddp_debug.py", line {line_of("cannot decode")}, in load' in readme
 
 
-def test_crash_under_record_puts_the_real_exception_in_torchrun_s_summary(tmp_path):
-    job = Job(
-        tmp_path,
-        "--fault",
-        "crash",
-        nproc=2,
-        extra=("--log-dir", tmp_path / "logs", "--tee", "3", "--local-ranks-filter", "1"),
-    )
-    code, seconds = job.end()
-    out = job.output()
-    assert code != 0 and seconds < 150
+def test_crash_under_record_puts_the_real_exception_in_torchrun_s_summary(readme_run):
+    result = readme_run("--fault crash")
+    ended_by_itself(result)
+    out = result.stdout + result.stderr
     summary = out[out.index("Root Cause (first observed failure)") :]
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)", summary), summary
     assert "ValueError: bad sample in batch 3: cannot decode" in summary, summary
@@ -155,42 +77,43 @@ def test_crash_under_record_puts_the_real_exception_in_torchrun_s_summary(tmp_pa
     # --tee and --local-ranks-filter: rank 1's own lines on the console, each naming the rank.
     assert re.search(r"^\[default1\]:\[rank1\]: ValueError: bad sample in batch 3", out, re.M)
     assert "[default0]:" not in out
-    assert list((tmp_path / "logs").rglob("error.json")), "no error file under --log-dir"
+    assert list((result.cwd / "logs").rglob("error.json")), "no error file under --log-dir"
 
 
-def test_straggler_is_named_by_monitored_barrier_and_killed(tmp_path):
-    """3 ranks, rank 1 stalls: rank 0's monitored_barrier names it within the timeout."""
-    job = Job(tmp_path, "--fault", "straggler", "--bad-rank", "1", "--monitored-barrier", nproc=3)
-    code, seconds = job.end()
-    out = job.output()
-    assert code != 0 and seconds < 150
+def test_straggler_is_named_by_monitored_barrier_and_killed(readme_run):
+    """2 ranks, rank 1 stalls: rank 0's monitored_barrier names it within the timeout."""
+    result = readme_run("--fault straggler --monitored-barrier")
+    ended_by_itself(result)
+    out = result.stdout + result.stderr
     assert re.search(r"\[rank0\]: RuntimeError: .*Ranks 1 failed to pass monitoredBarrier", out)
 
 
-def test_mismatch_is_caught_and_the_stack_names_the_rank_0_only_all_reduce(tmp_path):
+def test_mismatch_is_caught_and_the_stack_names_the_rank_0_only_all_reduce(readme_run):
     """2 ranks: rank 0's logging all-reduce meets rank 1's gradient all-reduce; gloo sees the
-    sizes differ and aborts; rank 0's stack ends at the all-reduce under `if ddp.is_main:`."""
-    job = Job(tmp_path, "--fault", "mismatch", nproc=2)
-    code, seconds = job.end()
-    out = job.output()
-    assert code != 0 and seconds < 150
+    sizes differ and aborts; rank 0's stack ends at the all-reduce under `if ddp.is_main:`. The
+    fixed run (--fix every-rank) then finishes."""
+    result = readme_run("--fault mismatch || ")
+    ended_by_itself(result)
+    out = result.stdout + result.stderr
     assert "Is there a distributed collective mismatch in your code?" in out, out[-3000:]
     # The rank: gloo aborts rank 0 (it received more than it expected), torchrun's root cause.
     summary = out[out.index("Root Cause (first observed failure)") :]
     assert re.search(r"rank\s+: 0 \(local_rank: 0\)", summary), summary
     culprit = line_of("            dist.all_reduce(mean)")
     assert re.search(rf"ddp_debug.py\"?, line {culprit},? in log", out), out[-4000:]
+    assert "done: fault mismatch | fix every-rank | world 2" in result.stdout
 
 
-def test_unused_parameters_are_named_per_rank(tmp_path):
-    """TORCH_DISTRIBUTED_DEBUG=INFO (DETAIL crashes DDP's constructor on gloo in torch 2.15)."""
-    job = Job(tmp_path, "--fault", "unused", nproc=2, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"})
-    code, seconds = job.end()
-    out = job.output()
-    assert code != 0 and seconds < 150
+def test_unused_parameters_are_named_per_rank(readme_run):
+    """TORCH_DISTRIBUTED_DEBUG=INFO (DETAIL crashes DDP's constructor on gloo in torch 2.15); the
+    fixed run (--fix find-unused) then finishes."""
+    result = readme_run("--fault unused || ")
+    ended_by_itself(result)
+    out = result.stdout + result.stderr
     assert "Expected to have finished reduction in the prior iteration" in out
     for rank in (0, 1):
         assert f"Parameters which did not receive grad for rank {rank}: aux.bias, aux.weight" in out
+    assert "done: fault unused | fix find-unused | world 2" in result.stdout
 
 
 def _fixed_runs(rank, world_size, port, out_dir):

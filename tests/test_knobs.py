@@ -1,11 +1,13 @@
 """Lesson 7 (ddp_knobs.py, knobs_extras.py): ZeRO-1, SyncBatchNorm, communication hooks, and what
 they keep in a checkpoint. Real ranks on gloo/CPU: one mp.spawn of 2 processes runs every training
 scenario through the lesson's own train() (a fresh process group per scenario) and counts the
-bytes each hook hands to all-reduce; a torchrun launch checks the command line end to end."""
+bytes each hook hands to all-reduce; the README's torchrun command is checked end to end (its run is
+shared with test_readme.py: conftest.readme_run)."""
 
 import gc
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -401,33 +403,19 @@ def test_powersgd_sends_plain_gradients_during_warm_up_then_under_a_tenth(runs):
 # ---------------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------------
-def test_torchrun_with_every_knob_saves_a_full_resumable_checkpoint(tmp_path):
-    r = run_torchrun(
-        "ddp_knobs.py",
-        *BASE,
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--zero",
-        "--sync-bn",
-        "--optimizer",
-        "adamw",
-        "--comm-hook",
-        "powersgd",
-        "--powersgd-warmup",
-        "3",
-        "--bucket-cap-mb",
-        "0.01",
-        "--checkpoint-dir",
-        tmp_path,
-    )
+def test_torchrun_with_every_knob_saves_a_full_resumable_checkpoint(readme_run):
+    """The README's lesson-7 command (torchrun, 2 ranks, --zero --sync-bn --comm-hook powersgd):
+    its checkpoint holds the whole optimizer state (gathered from the ZeRO shards) and each
+    rank's PowerSGD state."""
+    r = readme_run("ddp_knobs.py --zero")
     assert_ok(r)
     done = [line for line in r.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and "| world 2 |" in done[0] and " MiB/rank |" in done[0], r.stdout
-    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
-    assert ckpt["step"] == 16 and len(ckpt["powersgd"]) == 2
-    assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) - 2 * 3  # all params, no buffers
+    steps = int(re.search(r"\| steps (\d+) \|", done[0]).group(1))
+    ckpt = torch.load(r.cwd / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["step"] == steps and len(ckpt["powersgd"]) == 2
+    # A state for every parameter, none for the buffers (2 BatchNorm layers, 3 buffers each).
+    assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) - 2 * 3
 
 
 def test_resume_stops_with_one_line_when_only_some_ranks_see_the_checkpoint(runs):

@@ -5,7 +5,9 @@
    and are not run. Slurm blocks run under the real test Slurm (`slurm` in conftest); the set-up
    block (`python3 -m venv .venv ...`) runs in the repository itself, against its own venv.
    Each block runs ONCE per test session (pages that print the same command share one run); the
-   output check below reuses that run.
+   output check below reuses that run, and so do the lessons' own tests that assert on it
+   (`conftest.readme_run`, `REUSED_RUNS`). No process a command started may be left running
+   when it returns.
 
 2. Outputs. A ```text block is the output of the nearest ```bash block above it in the same
    page when no ```sh or other ```text block lies between them (prose and ```python excerpts
@@ -39,77 +41,18 @@
 Also: the README's test command is what .ci/run runs; the worked example of gradient averaging
 is computed for real; every relative link resolves; the README stays a spine (<= 700 lines)."""
 
-import contextlib
-import fcntl
-import os
 import re
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, cpu_env, init_spawned, run, spawn
+from conftest import BASH, BLOCKS, FENCE, PAGES, ROOT, init_spawned, script_of, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_common
 
 TEST_COMMAND = ". .venv/bin/activate && python -m pytest -q"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 README = (ROOT / "README.md").read_text()
-
-
-@dataclass
-class Block:
-    page: str  # path relative to the repository
-    line: int  # line of the opening fence
-    info: list  # words after ``` (language first)
-    body: str
-
-    @property
-    def lang(self):
-        return self.info[0] if self.info else ""
-
-    @property
-    def key(self):
-        return f"{self.page}:{self.line}"
-
-
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
-
-
-def fenced_blocks(path):
-    text = path.read_text()
-    return [
-        Block(
-            str(path.relative_to(ROOT)),
-            text.count("\n", 0, m.start()) + 1,
-            m.group(1).split(),
-            m.group(2),
-        )
-        for m in FENCE.finditer(text)
-    ]
-
-
-BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
-
-
-def script_of(block):
-    """The block as a script; a `# cpu: FLAGS` line appends FLAGS to the line above."""
-    lines = []
-    for line in block.body.splitlines():
-        m = re.match(r"\s*# cpu:(.*)", line)
-        if m and lines:
-            lines[-1] = lines[-1].rstrip() + " " + m.group(1).strip()
-        else:
-            lines.append(line)
-    return "\n".join(lines).strip()
-
-
-BASH = [b for b in BLOCKS if b.lang == "bash"]
 
 
 def output_pairs():
@@ -146,77 +89,6 @@ def short_id(block):
     return f"{block.key} {first[:50]}"
 
 
-# ---------------------------------------------------------------- running each block once
-def needs_slurm(script):
-    return re.search(r"\b(sbatch|srun|salloc)\b", script) is not None
-
-
-def repo_copy(dest):
-    """A copy of the repository (what git tracks or would track), sharing this venv, so commands
-    that write ./data, ./checkpoints or snapshots do not touch the working tree."""
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    for f in files or [p.name for p in ROOT.glob("*.py")]:
-        if (ROOT / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dest / f)
-    if (ROOT / ".venv").is_dir():
-        os.symlink(ROOT / ".venv", dest / ".venv")
-    return dest
-
-
-_RUNS = {}  # script -> CompletedProcess: each block (and each identical script) runs once
-
-
-@pytest.fixture
-def ran(request, tmp_path_factory):
-    def get(block):
-        script = script_of(block)
-        if script not in _RUNS:
-            _RUNS[script] = run_block(block, request, tmp_path_factory)
-        return _RUNS[script]
-
-    return get
-
-
-def run_block(block, request, tmp_path_factory):
-    script = script_of(block)
-    slurm_env = request.getfixturevalue("slurm") if needs_slurm(script) else {}  # real Slurm
-    if "python3 -m venv .venv" in script:
-        # The set-up command (re)creates ./.venv: run it in the repository itself, against the
-        # venv the tests run from (venv will not build into a symlink); pip then finds
-        # everything installed. Its ./data and ./checkpoints are git-ignored.
-        if (
-            not (ROOT / ".venv").is_dir()
-            or Path(sys.prefix).resolve() != (ROOT / ".venv").resolve()
-        ):
-            pytest.skip(
-                "the tests do not run from ./.venv, so the set-up command would build a new one"
-            )
-        cwd = ROOT
-    else:
-        cwd = repo_copy(tmp_path_factory.mktemp("repo"))
-    bin_dir = os.path.dirname(sys.executable)
-    env = cpu_env(
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        PYTHONPATH="",
-        https_proxy="http://127.0.0.1:9",
-        http_proxy="http://127.0.0.1:9",
-        HF_HUB_OFFLINE="1",
-    )
-    env.update(slurm_env)
-    fixed = sorted(set(re.findall(r"127\.0\.0\.1:(\d+)", script)))  # a port printed in the command
-    with contextlib.ExitStack() as held:
-        for port in fixed:  # another test session (two suites at once) waits for it, not collides
-            lock = held.enter_context(open(f"/tmp/ddp-course-port-{port}.lock", "w"))
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        return run(["bash", "-euo", "pipefail", "-c", script], timeout=300, env=env, cwd=cwd)
-
-
 def test_readme_has_commands_and_the_test_command_is_what_ci_runs():
     readme_scripts = [script_of(b) for b in BASH if b.page == "README.md"]
     assert len(readme_scripts) >= 8
@@ -228,12 +100,14 @@ def test_readme_has_commands_and_the_test_command_is_what_ci_runs():
 @pytest.mark.parametrize(
     "block", [b for b in FIRST.values() if script_of(b) != TEST_COMMAND], ids=short_id
 )
-def test_command_runs_as_printed(block, ran):
-    result = ran(block)
+def test_command_runs_as_printed(block, readme_run):
+    result = readme_run(block)
     assert result.returncode == 0, (
         f"{block.key}: command failed (exit {result.returncode}):\n{script_of(block)}\n"
         f"--- stdout\n{result.stdout[-2500:]}\n--- stderr\n{result.stderr[-2500:]}"
     )
+    # Nothing it started outlives it (a worker of a failed job, a background launch).
+    assert not result.left, f"{block.key}: processes left running: {result.left}"
 
 
 # ---------------------------------------------------------------- outputs cannot drift
@@ -289,8 +163,8 @@ def describe(s):
     OUTPUTS,
     ids=[f"{o.key} of {short_id(FIRST[script_of(c)])}" for c, o in OUTPUTS],
 )
-def test_shown_output_matches_what_the_command_prints(command, output, ran):
-    result = ran(command)
+def test_shown_output_matches_what_the_command_prints(command, output, readme_run):
+    result = readme_run(command)
     if result.returncode != 0:
         pytest.fail(
             f"{command.key} failed (exit {result.returncode}), so its output at "
