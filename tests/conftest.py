@@ -1,5 +1,7 @@
 """Launch helpers shared by the tests: real processes on gloo/CPU, free ports, short timeouts,
-and the whole process tree killed when a run fails or hangs."""
+and the whole process tree killed when a run fails or hangs; the test Slurm; and the commands the
+README and docs print, each run once per session (readme_run: test_readme.py checks every one,
+and a lesson's tests may assert on the run of its own command instead of launching it again)."""
 
 import contextlib
 import fcntl
@@ -548,6 +550,7 @@ BASH = [b for b in BLOCKS if b.lang == "bash"]
 # the scheduler (pytest_xdist_make_scheduler) gives it to the worker that runs that module.
 REUSED_RUNS = {
     "python ddp_minimal.py": "tests/test_minimal.py",
+    "python gpt2_ddp.py --nproc 2 --init-from gpt2": "tests/test_gpt2.py",
     "ddp_knobs.py --zero": "tests/test_knobs.py",
     "ddp_debug.py": "tests/test_debug.py",
 }

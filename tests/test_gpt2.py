@@ -674,51 +674,34 @@ def test_compile_wraps_the_ddp_model(monkeypatch):
 
 
 @pytest.mark.slow
-def test_spawn_launch_trains_saves_and_rank0_exports_alone(tmp_path):
-    story = write_story(tmp_path / "s.txt")
-    ck = tmp_path / "ck"
-    result = run_python(
-        "gpt2_ddp.py",
-        "--nproc",
-        "2",
-        "--tokenizer",
-        "bytes",
-        "--text",
-        story,
-        "--max-length",
-        "64",
-        "--max-steps",
-        "20",
-        "--lr",
-        "3e-3",
-        "--log-every",
-        "10",
-        "--checkpoint-dir",
-        ck,
-        "--export-hf",
-        tmp_path / "export",
-        timeout=TIMEOUT,
-        env=cpu_env(**DEAD_PROXY),
-    )
+def test_spawn_launch_trains_saves_and_rank0_exports_alone(readme_run):
+    """The README's lesson-5 command with its `# cpu:` flags (its run shared with test_readme.py):
+    mp.spawn of 2 ranks, a tiny GPT-2 from scratch on bytes of README.md, 20 steps. The validation
+    loss is exact over both ranks' shards, and the model rank 0 exports gives transformers the
+    same logits."""
+    result = readme_run("python gpt2_ddp.py --nproc 2 --init-from gpt2")
     assert_ok(result)
     assert result.stderr.strip() == "", result.stderr[-2000:]
     done = done_fields(result)
     assert done["world"] == "2" and done["steps"] == "20" and done["tokenizer"] == "bytes"
-    ckpt = torch.load(ck / "gpt2.pt", weights_only=True)
+    ckpt = torch.load(result.cwd / "checkpoints" / "gpt2.pt", weights_only=True)
     losses = [v for _, v in ckpt["val_losses"]]
     assert ckpt["val_losses"][0][0] == 0 and ckpt["step"] == 20
-    assert losses[-1] < 0.6 * losses[0], losses  # validation loss went down
+    # Validation loss went down (at the README's fine-tuning LR, 1e-4: by ~14% in 20 steps).
+    assert losses[-1] < 0.95 * losses[0], losses
     assert float(done["val_loss"]) == pytest.approx(losses[-1], abs=1e-4)
+    text = result.cwd / "README.md"
     data = gpt2_ddp.prepare(
-        gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(story), "--max-length", "64"]), 2
+        gpt2_ddp.parse_args(["--tokenizer", "bytes", "--text", str(text), "--max-length", "64"]), 2
     )
     ref = val_loss_of(ckpt["model"], ckpt["config"], data["val"], 64)
     assert losses[-1] == pytest.approx(ref, rel=1e-5)  # exact over both ranks' shards
     model = gpt2_model.GPT(gpt2_model.GPTConfig(**ckpt["config"]))  # --export-hf: the final weights
     model.load_state_dict(ckpt["model"])
     tokens = data["val"][:64][None]
+    export = result.cwd / "out" / "gpt2-course"
     torch.testing.assert_close(
-        hf_logits(tmp_path / "export", tokens), our_logits(model, tokens, 257), rtol=1e-4, atol=1e-5
+        hf_logits(export, tokens), our_logits(model, tokens, 257), rtol=1e-4, atol=1e-5
     )
 
 
