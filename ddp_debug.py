@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, print0, set_seed, setup
+from ddp_common import cleanup, fail, print0, setup
 
 FAULTS = ["none", "mismatch", "uneven", "crash", "straggler", "unused"]
 # The fixes each fault has (--fix NAME).
@@ -186,7 +186,7 @@ def log(loss, step, args, ddp):
         # FAULT: "only rank 0 prints, so only rank 0 needs the mean": the all-reduce moves
         # under the `if`. Rank 0's all-reduce then meets the others' next gradient all-reduce:
         # gloo sees the sizes differ and aborts; NCCL may hang, or mix the two.
-        if ddp.is_main:
+        if ddp.rank == 0:
             dist.all_reduce(mean)
             print0(f"step {step + 1}/{args.max_steps} | loss {mean.item() / ddp.world_size:.4f}")
         return
@@ -198,7 +198,7 @@ def log(loss, step, args, ddp):
 
 def train(args, ddp):
     """The loop every lesson has, with the faults in it. Returns the bare model."""
-    set_seed(args.seed)
+    torch.manual_seed(args.seed)
     model = Net().to(ddp.device)
     device_ids = None
     if ddp.device.type == "cuda":
@@ -213,13 +213,16 @@ def train(args, ddp):
         # FIX (uneven): a rank that runs out of batches keeps answering the others' all-reduces
         # with zeros until every rank is done (the mean still divides by the world size).
         join = Join([model])
+    if args.monitored_barrier:
+        # DIAGNOSIS: monitored_barrier needs a CPU backend: beside NCCL, a gloo group of its own.
+        monitor = dist.new_group(backend="gloo")
     with join:
         for step, batch in enumerate(make_loader(args, ddp)):
             x, y = load(batch, step, args, ddp)
             if args.monitored_barrier:
                 # DIAGNOSIS: every rank checks in; rank 0 names any that does not within --timeout.
                 timeout = datetime.timedelta(seconds=args.timeout)
-                dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+                dist.monitored_barrier(monitor, timeout=timeout, wait_all_ranks=True)
             loss = loss_of(model, x, y, step, args)
             optimizer.zero_grad()
             # DDP: all-reduces the gradients: every rank must get here

@@ -152,14 +152,14 @@ def cpu_env(**extra):
 
 def descendants(pid):
     """Every process below pid. torchrun starts its workers in sessions of their own, so killing
-    the agent's process group alone would leave them running."""
+    the agent's process group alone would leave them running. `ps` works on Linux and macOS."""
+    table = subprocess.run(
+        ["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True, text=True
+    )
     children = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    for line in table.stdout.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
     found, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])
@@ -192,8 +192,12 @@ def run(cmd, timeout=180, env=None, cwd=None):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        # The whole tree first: a worker in a session of its own still holds the output pipes.
+        kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(the output is held by a process outside the run's tree)"
         pytest.fail(
             f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
             f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
@@ -588,7 +592,9 @@ def repo_copy(dest):
 def processes_with(token, wait=5):
     """Processes whose environment carries token (what is left of one run), after giving them
     `wait` seconds to end: a launcher that has stopped its workers may exit before the kernel has
-    reaped them."""
+    reaped them. Linux only (/proc): elsewhere none are found."""
+    if not os.path.isdir("/proc"):
+        return []
     deadline = time.monotonic() + wait
     while True:
         left = []

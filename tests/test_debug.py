@@ -5,11 +5,14 @@ fix runs, and Join's gradients are what it promises, computed here by hand.
 The faults run as the README prints them: these tests assert on the same runs whose output
 test_readme.py compares with what the README shows (conftest.readme_run runs each command once)."""
 
+import os
 import re
 import subprocess
 import sys
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from conftest import ROOT, cpu_env, spawn, torchrun_env
 
 import ddp_common
@@ -90,7 +93,7 @@ def test_straggler_is_named_by_monitored_barrier_and_killed(readme_run):
 
 def test_mismatch_is_caught_and_the_stack_names_the_rank_0_only_all_reduce(readme_run):
     """2 ranks: rank 0's logging all-reduce meets rank 1's gradient all-reduce; gloo sees the
-    sizes differ and aborts; rank 0's stack ends at the all-reduce under `if ddp.is_main:`. The
+    sizes differ and aborts; rank 0's stack ends at the all-reduce under `if ddp.rank == 0:`. The
     fixed run (--fix every-rank) then finishes."""
     result = readme_run("--fault mismatch || ")
     ended_by_itself(result)
@@ -166,7 +169,7 @@ def test_fixes_run_and_join_shadows_the_ranks_that_ran_out_with_zeros(tmp_path):
     # Join by hand: each active rank's own gradient, summed, over the world size (3): the rank
     # that ran out (2, after 3 steps) adds zeros.
     args = ddp_debug.parse_args(["--fault", "uneven", "--bad-rank", "2"])
-    ddp_common.set_seed(args.seed)
+    torch.manual_seed(args.seed)
     model = ddp_debug.Net()
     loaders = [iter(torch.utils.data.DataLoader(ddp_debug.shard(args, r, 3), 4)) for r in range(3)]
     for step in range(8):
@@ -201,3 +204,31 @@ def test_a_fix_for_another_fault_is_a_one_line_error():
     )
     assert result.returncode == 2
     assert result.stderr.startswith("error: --fix join does not fix --fault crash")
+
+
+def _monitored_barrier_beside_nccl(rank, world_size, port, out_dir):
+    """A default group with no CPU backend, as NCCL's is ("cuda:gloo" stands in on a CPU)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cuda:gloo", rank=rank, world_size=world_size)
+    outcome = {}
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=10))
+        outcome["default"] = "passed"
+    except Exception as e:
+        outcome["default"] = str(e)
+    # What ddp_debug.py --monitored-barrier does: a gloo group of its own.
+    dist.monitored_barrier(dist.new_group(backend="gloo"), timeout=timedelta(seconds=10))
+    outcome["gloo group"] = "passed"
+    torch.save(outcome, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_monitored_barrier_needs_the_gloo_group_the_lesson_makes_beside_nccl(tmp_path):
+    """monitored_barrier refuses a group without a CPU backend (NCCL's default group): the
+    lesson creates a gloo group for it. The NCCL run itself: tests/gpu_check.sh."""
+    spawn(_monitored_barrier_beside_nccl, 2, str(tmp_path))
+    outcome = torch.load(tmp_path / "rank0.pt")
+    assert "CPU" in outcome["default"] and outcome["gloo group"] == "passed", outcome
+    source = (ROOT / "ddp_debug.py").read_text()
+    assert 'monitor = dist.new_group(backend="gloo")' in source
+    assert "dist.monitored_barrier(monitor," in source

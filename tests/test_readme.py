@@ -32,16 +32,19 @@
    rows (lines that start with a number), free text (a generated sample), elisions (`...`),
    `warning:` lines (they depend on the machine: noise, oversubscription) and torch's own
    `W1122 12:08:24 ...` log lines are not compared. A block must contain at least one compared
-   line.
+   line. A ```text values block (a run that reproduces line for line on any CPU: lessons 0 and 1)
+   is compared value by value too, to printing precision, all but the timings.
 
 3. Code. Every ```python block names its file (```python FILE) and each of its code lines appears
    in that file (comments aside, whitespace folded, `...` = omitted code); so do the added and
-   context lines of a ```diff FILE block (its removed lines are the one-GPU code before).
+   context lines of a ```diff FILE block (its removed lines are the one-GPU code before). A
+   ```diff OLD NEW block is `diff -U1 OLD NEW` itself, line for line.
 
 Also: the README's test command is what .ci/run runs; the worked example of gradient averaging
 is computed for real; every relative link resolves; the README stays a spine (<= 700 lines)."""
 
 import re
+import subprocess
 
 import pytest
 import torch
@@ -64,7 +67,7 @@ def output_pairs():
             if b.lang != "text" or i == 0:
                 continue
             above = [c for c in blocks[:i] if c.lang in ("bash", "sh", "text")]
-            if b.info == ["text"] and above and above[-1].lang == "bash":
+            if b.info in (["text"], ["text", "values"]) and above and above[-1].lang == "bash":
                 pairs.append((above[-1], b))
             elif b.info == ["text", "output"]:
                 bash = [c for c in above if c.lang == "bash"]
@@ -180,6 +183,10 @@ def test_shown_output_matches_what_the_command_prints(command, output, readme_ru
         "command above it, fence it as ```text <where it was measured>"
     )
     missing = [(line, s) for line, s in checked if s not in actual_shapes]
+    if not missing and "values" in output.info:
+        missing = [
+            (line, s) for line, s in checked if not any(same_values(line, a) for a in actual)
+        ]
     if missing:
         report = []
         for line, s in missing:
@@ -200,6 +207,38 @@ def test_shown_output_matches_what_the_command_prints(command, output, readme_ru
             + "\n--- printed now (stdout+stderr, tail)\n"
             + "\n".join(actual[-40:])
         )
+
+
+# Fields whose values depend on the machine's speed, never compared.
+TIMINGS = {"time", "samples/s", "tokens/s", "eta"}
+
+
+def same_values(shown, printed, rel=1e-3, abs_=2e-4):
+    """```text values: the shown line and a printed one have the same shape and the same numbers
+    (to printing precision: rel 1e-3, abs 2e-4) in every field but the timings."""
+    if shape(shown) != shape(printed):
+        return False
+    for a, b in zip(shown.split(" | "), printed.split(" | "), strict=True):
+        if field_key(mask(a.split(": ", 1)[-1])) in TIMINGS:
+            continue
+        x, y = NUMBER.findall(a), NUMBER.findall(b)
+        if len(x) != len(y):
+            return False
+        for u, v in zip(x, y, strict=True):
+            u, v = float(u.replace(",", "")), float(v.replace(",", ""))
+            if abs(u - v) > abs_ + rel * abs(v):
+                return False
+    return True
+
+
+def test_value_rule_compares_numbers_but_not_timings():
+    shown = "epoch 1/2 | step 20/60 | loss 2.2373 | 2677 samples/s"
+    assert same_values(shown, "epoch 1/2 | step 20/60 | loss 2.2374 | 1 samples/s")
+    assert not same_values(shown, "epoch 1/2 | step 20/60 | loss 2.2473 | 2677 samples/s")
+    assert not same_values(shown, "epoch 1/2 | step 40/60 | loss 2.2373 | 2677 samples/s")
+    done = "done: world 2 | loss 0.0940 (first epoch 0.2679) | time 0.5s"
+    assert same_values(done, done.replace("0.5s", "9.9s"))
+    assert not same_values(done, done.replace("0.2679", "0.2779"))
 
 
 def test_shape_rule_catches_a_renamed_field_and_tolerates_numbers():
@@ -240,7 +279,9 @@ def code_part(line):
 
 
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
-DIFFS = [b for b in BLOCKS if b.lang == "diff" and len(b.info) >= 2]
+DIFFS = [b for b in BLOCKS if b.lang == "diff" and len(b.info) == 2]
+# ```diff OLD NEW: the output of `diff -U1 OLD NEW` itself, without its two header lines.
+FILE_DIFFS = [b for b in BLOCKS if b.lang == "diff" and len(b.info) == 3]
 EXCERPTS = [b for b in PYTHON if len(b.info) >= 2] + DIFFS
 
 
@@ -284,6 +325,20 @@ def test_code_excerpts_stay_in_step_with_the_files(block):
         assert re.search(pattern, source), (
             f"{block.key}: excerpt line not found in {name}: {line.strip()}"
         )
+
+
+@pytest.mark.parametrize("block", FILE_DIFFS, ids=lambda b: f"{b.key} {' '.join(b.info[1:])}")
+def test_a_shown_diff_is_the_diff_of_its_files(block):
+    """The README's "From one GPU to DDP" is `diff -U1 mnist_single.py ddp_mnist.py`: edit either
+    file and this fails until the page shows the diff again."""
+    old, new = block.info[1:]
+    result = subprocess.run(["diff", "-U1", old, new], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr
+    printed = result.stdout.splitlines()[2:]
+    assert block.body.splitlines() == printed, (
+        f"{block.key}: the diff shown is not `diff -U1 {old} {new}`; paste it again:\n"
+        + "\n".join(printed)
+    )
 
 
 # ---------------------------------------------------------------- links and size
