@@ -1,7 +1,8 @@
-"""Lesson 3 (multi_gpu_torchrun.py) on a changing world: the same global batch on 1, 2 or 4 ranks
-is the same run to float rounding; a snapshot resumes on another world size at the next unseen
-sample; an elastic torchrun job (--nnodes=1:2) grows when a node joins late and, when that node
-is lost for good, finishes on the one left, from its snapshot. Real processes on gloo."""
+"""Lesson 3 (multi_gpu_torchrun.py) on a changing world: the same global batch on 1, 2 or 3 ranks
+is the same run to float rounding; the same command resumes a snapshot on 4, 3 or 1 ranks at the
+next unseen sample; an elastic torchrun job (--nnodes=1:2) grows when a node joins late and, when
+that node is lost for good, finishes on the one left, from its snapshot; a node cut off the
+network leaves the survivor to finish. Real processes on gloo."""
 
 import os
 import re
@@ -26,9 +27,10 @@ from conftest import (
 
 import multi_gpu_torchrun
 
-# 256 samples, a global batch of 64 (4 steps an epoch) in micro-batches of 16 per rank: 1 rank
-# accumulates 4, 2 ranks 2, 4 ranks 1. No dropout: the ranks' random streams cannot carry over
-# to another world size, and this test compares the arithmetic.
+# 256 samples, a global batch of 64 (4 steps an epoch) in micro-batches of at most 16 per rank:
+# 1 rank trains 4 micro-batches a step, 2 ranks 2 each, 3 ranks 22, 21 and 21 samples in 2 each,
+# 4 ranks 1 each. No dropout: the ranks' random streams cannot carry over to another world size,
+# and these tests compare the arithmetic.
 SCRIPT = "multi_gpu_torchrun.py"
 RUN = ["--epochs", "2", "--samples", "256", "--batch-size", "16", "--global-batch-size", "64"]
 RUN += ["--hidden", "32", "--dropout", "0"]
@@ -40,12 +42,13 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 def _lesson_rank(rank, world_size, port, argv):
     """A spawned rank runs the lesson's main() as torchrun would start it."""
     torchrun_env(rank, world_size, port)
-    multi_gpu_torchrun.main([str(a) for a in argv])
+    sys.argv = [SCRIPT, *map(str, argv)]
+    multi_gpu_torchrun.main()
 
 
-def train(world_size, checkpoint_dir, *extra):
-    spawn(_lesson_rank, world_size, [*RUN, "--checkpoint-dir", checkpoint_dir, *extra])
-    return torch.load(checkpoint_dir / "snapshot.pt", weights_only=True)
+def train(world_size, checkpoint_dir, *argv):
+    spawn(_lesson_rank, world_size, [*argv, "--checkpoint-dir", checkpoint_dir])
+    return torch.load(checkpoint_dir / "last.pt", weights_only=True)
 
 
 def assert_close(a, b):
@@ -55,58 +58,62 @@ def assert_close(a, b):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return train(2, tmp_path_factory.mktemp("two"))
+    return train(2, tmp_path_factory.mktemp("two"), *RUN)
 
 
-def test_same_global_batch_is_the_same_run_on_1_2_and_4_ranks(tmp_path, two_ranks):
+def test_same_global_batch_is_the_same_run_on_1_2_and_3_ranks(tmp_path, two_ranks):
     # The lesson's initial weights: seed 0, then the model.
     torch.manual_seed(0)
     initial = multi_gpu_torchrun.make_model(32, 0.0).state_dict()
     # The training moved the weights far more than the tolerance: equal runs are not a given.
     moved = max((two_ranks["model"][k] - initial[k]).abs().max() for k in initial)
     assert moved > 100 * TOLERANCE["atol"], moved
-    assert two_ranks["history"]["starts"] == [[0, 0, 2]]
-    for world_size in (1, 4):
-        snap = train(world_size, tmp_path / str(world_size))
-        assert snap["step"] == STEPS and snap["history"]["samples"] == [256, 256]
-        assert_close(snap, two_ranks)
+    # 3 ranks: the shares of a global batch differ by one sample, and the run is the same.
+    for world_size in (1, 3):
+        snapshot = train(world_size, tmp_path / str(world_size), *RUN)
+        assert (snapshot["step"], snapshot["world_size"]) == (STEPS, world_size)
+        assert_close(snapshot, two_ranks)
 
 
-def test_stopped_on_2_ranks_resumes_on_4_and_on_1_at_the_next_sample(tmp_path, two_ranks):
-    # Step 6 of 8: mid-way through epoch 2.
-    stopped = train(2, tmp_path / "stopped", "--max-steps", "6")
-    assert (stopped["epoch"], stopped["samples"], stopped["step"]) == (1, 128, 6)
-    for world_size in (4, 1):
+def test_the_same_command_resumes_on_4_3_and_1_ranks_at_the_next_sample(tmp_path, two_ranks):
+    """No --global-batch-size: the first run's is 2 ranks x 32 = 64, and a restarted or
+    requeued job cannot change its command. Stopped at step 6 of 8 (mid-way through epoch 2),
+    it resumes on 4 ranks (16 each), on 3 (22, 21, 21) and on 1 (2 micro-batches of 32)."""
+    command = [a for a in RUN if a not in ("--global-batch-size", "64")]
+    command[command.index("--batch-size") + 1] = "32"
+    stopped = train(2, tmp_path / "stopped", *command, "--max-steps", "6")
+    assert (stopped["epoch"], stopped["step"], stopped["global_batch"]) == (1, 6, 64)
+    for world_size in (4, 3, 1):
         folder = tmp_path / f"on{world_size}"
         shutil.copytree(tmp_path / "stopped", folder)
-        # The global batch comes from the snapshot: the command need not repeat it.
-        argv = [a for a in RUN if a not in ("--global-batch-size", "64")]
-        spawn(_lesson_rank, world_size, [*argv, "--checkpoint-dir", folder])
-        snap = torch.load(folder / "snapshot.pt", weights_only=True)
-        assert snap["history"]["starts"] == [[0, 0, 2], [0, 6, world_size]]
-        # The interrupted epoch trained each of its 256 samples once: 128 on 2 ranks, the rest
-        # here (counted as trained, summed over the ranks).
-        assert snap["history"]["samples"] == [256, 256]
-        assert snap["step"] == STEPS and snap["global_batch_size"] == 64
-        assert_close(snap, two_ranks)
+        snapshot = train(world_size, folder, *command)
+        assert (snapshot["step"], snapshot["global_batch"]) == (STEPS, 64)
+        assert_close(snapshot, two_ranks)
 
 
 @pytest.mark.parametrize(
     "case,message",
     [
-        ("another global batch", "--global-batch-size 64, not 32"),
-        ("does not divide", "--global-batch-size 40 is not a multiple of world size 1 x"),
+        ("another global batch", "has a global batch of 64, not --global-batch-size 32"),
+        ("fewer samples than one global batch", "--samples 32 is less than one global batch"),
     ],
 )
 def test_a_global_batch_that_cannot_be_used_is_one_error_line(tmp_path, two_ranks, case, message):
     argv = [*RUN, "--checkpoint-dir", tmp_path]
     if case == "another global batch":
-        torch.save(two_ranks, tmp_path / "snapshot.pt")
+        torch.save(two_ranks, tmp_path / "last.pt")
         argv[argv.index("64")] = "32"
     else:
-        argv[argv.index("64")] = "40"
+        argv[argv.index("256")] = "32"
     # One process with the variables torchrun would set: no agent needed to read the error.
-    env = cpu_env(RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    env = cpu_env(
+        RANK=0,
+        WORLD_SIZE=1,
+        LOCAL_RANK=0,
+        LOCAL_WORLD_SIZE=1,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=free_port(),
+    )
     r = run([sys.executable, ROOT / SCRIPT, *argv], env=env)
     errors = error_lines(r)
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
@@ -117,6 +124,8 @@ def test_a_global_batch_that_cannot_be_used_is_one_error_line(tmp_path, two_rank
 # 10 steps at 0.5 s) and then be lost, with steps left to finish on the survivor.
 ELASTIC_EPOCHS = 8
 ELASTIC_STEPS = 4 * ELASTIC_EPOCHS
+ELASTIC_RUN = [*RUN[2:], "--epochs", ELASTIC_EPOCHS]
+SLOWED = "tests/restart_faults.py"
 
 # A node that arrives late: its agent has imported torchrun (seconds on a loaded machine), then
 # waits for the test to create the file named first, then runs torchrun with the rest.
@@ -151,9 +160,10 @@ def elastic_agent(
     conf = f"is_host={int(node == 0)},last_call_timeout=5,join_timeout=60,read_timeout=10"
     cmd += [f"--rdzv-conf={conf}"]
     cmd += [f"--local-addr={address}", "--max-restarts=3", "--monitor-interval=0.5"]
-    # A snapshot every 2 steps; 0.5 s a step so that a join and a kill land mid-run.
-    cmd += [ROOT / SCRIPT, *RUN[2:], "--epochs", ELASTIC_EPOCHS, "--checkpoint-dir", checkpoint_dir]
-    cmd += ["--save-every", "2", "--step-delay", "0.5"]
+    # The lesson, slowed to 0.5 s a step so that a join and a kill land mid-run; a snapshot and
+    # a check for a stop signal every 2 steps.
+    cmd += [ROOT / SLOWED, "--step-delay", "0.5", *ELASTIC_RUN, "--checkpoint-dir", checkpoint_dir]
+    cmd += ["--save-every", "2", "--log-every", "2"]
     environment = dict(env or cpu_env())
     # As docs/restarts.md teaches: without it a node that joins after the first round (a late or
     # a replacement node) waits for an address the first round's rank 0 never publishes again.
@@ -181,83 +191,76 @@ def poll(condition, timeout, procs):
     pytest.fail(f"not reached in {timeout} s")
 
 
+def attempts(output):
+    """(world size, step) of every `start:` line: where each attempt began, on how many ranks."""
+    found = re.findall(r"^start: world (\d+) \|.*\| step (\d+)/", output, re.M)
+    return [(int(world), int(step)) for world, step in found]
+
+
+def read(log):
+    log.seek(0)
+    return log.read()
+
+
+def saved_on_two_ranks(path):
+    """Has a 2-rank attempt saved a snapshot yet?"""
+    try:
+        return torch.load(path, weights_only=True)["world_size"] == 2
+    except Exception:  # not there yet, or being replaced
+        return False
+
+
 @pytest.mark.slow
 def test_elastic_job_grows_when_a_node_joins_and_shrinks_when_it_is_lost(tmp_path):
     """Two agents (nodes) of one elastic job. Node 0 starts alone and trains on world size 1;
-    node 1 joins late: node 0's agent stops its worker (which snapshots), and a round of two
-    nodes resumes on world size 2. Then node 1's whole process tree is SIGKILLed mid-run: node
-    0's worker loses its peer and exits; its agent restarts it in a new round of one node; it
-    resumes on world size 1 and finishes. The global batch never changes, and the weights equal
-    a run that took the same steps on the same world sizes (built from the snapshot's history by
-    --max-steps stops and resumes)."""
+    node 1 joins late: node 0's agent stops its worker with SIGTERM (it snapshots), and a round
+    of two nodes resumes on world size 2. Then node 1's whole process tree is SIGKILLed mid-run:
+    node 0's worker loses its peer and exits; its agent restarts it in a new round of one node;
+    it resumes on world size 1 and finishes. The global batch never changes, and the weights
+    equal a run that took the same steps on the same world sizes (rebuilt from the `start:`
+    lines by --max-steps stops and resumes)."""
     endpoint = f"127.0.0.1:{free_port()}"
-    path = tmp_path / "snapshot.pt"
+    path = tmp_path / "last.pt"
     gate = tmp_path / "node1-may-join"
-    logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
+    # Appending: reading a log does not move where its agent writes.
+    logs = [open(tmp_path / f"node{node}.log", "a+") for node in (0, 1)]
     agents = [elastic_agent(0, endpoint, tmp_path, logs[0])]
     agents.append(elastic_agent(1, endpoint, tmp_path, logs[1], gate=gate))
     try:
-
-        def training_alone():
-            logs[0].seek(0)
-            return re.search(r"^start: .* world 1 ", logs[0].read(), re.M)
-
-        poll(training_alone, 240, agents)
+        poll(lambda: attempts(read(logs[0])), 240, agents)
         gate.touch()
         opened = time.monotonic()
-
-        def grown():
-            logs[0].seek(0)
-            return re.search(r"^resumed: .* world 1 -> 2 ", logs[0].read(), re.M)
-
-        poll(grown, 240, agents)
+        poll(lambda: re.search(r"^resumed: .* world 1 -> 2$", read(logs[0]), re.M), 240, agents)
         joined = time.monotonic() - opened
-
-        def saved_on_two_ranks():
-            try:
-                snap = torch.load(path, weights_only=True)
-            except Exception:  # not there yet, or being replaced
-                return None
-            start = snap["history"]["starts"][-1]
-            return start[2] == 2 and snap["step"] > start[1]
-
-        poll(saved_on_two_ranks, 240, agents)
+        poll(lambda: saved_on_two_ranks(path), 240, agents)
         killed = time.monotonic()
         kill_tree(agents[1].pid)
         agents[1].wait(timeout=30)
-
-        def resumed_alone():
-            logs[0].seek(0)
-            return re.search(r"^resumed: .* world 2 -> 1 ", logs[0].read(), re.M)
-
-        poll(resumed_alone, 180, agents[:1])
+        poll(lambda: re.search(r"^resumed: .* world 2 -> 1$", read(logs[0]), re.M), 180, agents[:1])
         waited = time.monotonic() - killed
         agents[0].wait(timeout=180)
     finally:
         kill_tree(*(agent.pid for agent in agents))
-    logs[0].seek(0)
-    out = logs[0].read()
+    out = read(logs[0])
     print(f"resumed on two nodes {joined:.1f} s after node 1 could join")
     print(f"the survivor resumed {waited:.1f} s after the kill")
     assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", out, re.M), out[-3000:]
-    snap = torch.load(path, weights_only=True)
-    starts = snap["history"]["starts"]
-    # (epoch, step, world size) of each attempt: grown from 1 to 2, shrunk back to 1.
-    assert [world for _, _, world in starts] == [1, 2, 1], starts
-    assert snap["step"] == ELASTIC_STEPS and snap["global_batch_size"] == 64, starts
-    assert snap["history"]["samples"] == [256] * ELASTIC_EPOCHS
+    # Grown from 1 to 2, shrunk back to 1; the stop on the SIGTERM saved where it stopped.
+    starts = attempts(out)
+    assert [world for world, _ in starts] == [1, 2, 1], starts
+    assert re.search(rf"^preempted: signal SIGTERM \| step {starts[1][1]}/", out, re.M), out
+    snapshot = torch.load(path, weights_only=True)
+    assert (snapshot["step"], snapshot["global_batch"]) == (ELASTIC_STEPS, 64), starts
 
     # The reference: the same segments (world size, from step, to step), one launch each.
     reference = tmp_path / "reference"
-    ends = [start[1] for start in starts[1:]] + [ELASTIC_STEPS]
-    for (_, _, world_size), end in zip(starts, ends, strict=True):
-        argv = [*RUN[2:], "--epochs", ELASTIC_EPOCHS, "--checkpoint-dir", reference]
+    ends = [step for _, step in starts[1:]] + [ELASTIC_STEPS]
+    for (world_size, _), end in zip(starts, ends, strict=True):
+        argv = [*ELASTIC_RUN, "--checkpoint-dir", reference]
         if end < ELASTIC_STEPS:
             argv += ["--max-steps", end]
         spawn(_lesson_rank, world_size, argv)
-    expected = torch.load(reference / "snapshot.pt", weights_only=True)
-    assert [s[1:] for s in expected["history"]["starts"]] == [s[1:] for s in starts]
-    assert_close(snap, expected)
+    assert_close(snapshot, torch.load(reference / "last.pt", weights_only=True))
 
 
 def namespaces_unavailable():
@@ -322,25 +325,16 @@ def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_worker_ex
     see docs/restarts.md.)"""
     (_, _, address0), (ns1, link1, _) = two_hosts
     endpoint = f"{address0}:{free_port()}"
-    logs = [open(tmp_path / f"node{node}.log", "w+") for node in (0, 1)]
+    logs = [open(tmp_path / f"node{node}.log", "a+") for node in (0, 1)]
     agents = []
     for node, (ns, link, address) in enumerate(two_hosts):
         # gloo picks its interface from the host name, which resolves outside the namespace.
         env = cpu_env(DDP_TIMEOUT=20, GLOO_SOCKET_IFNAME=link)
         prefix = ["ip", "netns", "exec", ns]
         agents.append(elastic_agent(node, endpoint, tmp_path, logs[node], address, prefix, env))
-    path = tmp_path / "snapshot.pt"
+    path = tmp_path / "last.pt"
     try:
-
-        def saved_on_two_ranks():
-            try:
-                snap = torch.load(path, weights_only=True)
-            except Exception:  # not there yet, or being replaced
-                return None
-            start = snap["history"]["starts"][-1]
-            return start[2] == 2 and snap["step"] > start[1]
-
-        poll(saved_on_two_ranks, 240, agents)
+        poll(lambda: saved_on_two_ranks(path), 240, agents)
         workers = [pid for pid in descendants(agents[1].pid) if pid != agents[1].pid]
         subprocess.run(["ip", "-n", ns1, "link", "set", link1, "down"], check=True, timeout=30)
         cut = time.monotonic()
@@ -353,16 +347,14 @@ def test_a_node_cut_off_the_network_the_survivor_finishes_and_the_lost_worker_ex
             time.sleep(0.2)
     finally:
         kill_tree(*(agent.pid for agent in agents))
-    outs = []
-    for log in logs:
-        log.seek(0)
-        outs.append(log.read())
+    outs = [read(log) for log in logs]
     print(
         f"after the cut: node 0 finished in {ends.get(0)} s, "
         f"node 1's worker exited in {ends.get(1)} s"
     )
     assert len(ends) == 2, f"240 s after the cut: {ends}\n{outs[0][-2000:]}\n{outs[1][-2000:]}"
     assert agents[0].returncode == 0 and re.search(r"^done: world 1 ", outs[0], re.M), outs[0]
-    assert re.search(r"^error: rank 1 lost the other ranks", outs[1], re.M), outs[1][-3000:]
-    snap = torch.load(path, weights_only=True)
-    assert snap["step"] == ELASTIC_STEPS and snap["history"]["samples"] == [256] * ELASTIC_EPOCHS
+    # The cut-off worker's collective timed out (DDP_TIMEOUT): torch's error, then it exited.
+    assert re.search(r"RuntimeError: .*Timed out", outs[1]), outs[1][-3000:]
+    snapshot = torch.load(path, weights_only=True)
+    assert snapshot["step"] == ELASTIC_STEPS and snapshot["world_size"] == 1
