@@ -1,18 +1,14 @@
-"""Lesson 2: the production template. What a real DDP training job needs.
+"""Lesson 2: the production template: ResNet-18 learns CIFAR-10, the way a real job trains.
 
-    torchrun --standalone --nproc_per_node=4 ddp_training.py   # CIFAR-10, ResNet-18
-    torchrun --standalone --nproc_per_node=2 ddp_training.py --model cnn   # on a CPU
+    torchrun --standalone --nproc_per_node=4 ddp_training.py    # 4 GPUs (CPUs: --model cnn)
 
-A fixed global batch (the accumulation steps absorb the world size, so a run resumes on any
-number of ranks), the LR scaled by that batch, no_sync accumulation, clipping, bf16 / fp16 +
-GradScaler, compile, exact resume, exact evaluation, best-k checkpoints, early stopping. DDP lines
-are marked `# DDP:`. Beside it: training_data.py (the data, the models, augmentation: replace it
-to adapt the template) and training_run.py (flags, schedule, best-k files, checkpoint checks,
-the weight-sync check, the profiler).
+What it adds to lesson 1 (`diff ddp_mnist.py ddp_training.py`): one global batch on any world size
+(no_sync accumulation), bf16/fp16 + GradScaler, clipping, warm-up + cosine, exact resume, best-k,
+compile. Data, models and augmentation are in training_data.py: replace it for your job.
 """
 
 import contextlib
-import datetime
+import math
 import os
 import time
 
@@ -24,413 +20,330 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_checkpoint import load_checkpoint, save_checkpoint
-from ddp_common import cleanup, fail, print0, set_seed, setup
-from ddp_extras import pick_amp
-from training_data import MEAN, STD, build_model, load_data, to_input
-from training_run import (
-    best_name,
-    build_optimizer,
-    check_in_sync,
-    check_progress,
-    fresh_progress,
-    parse_args,
-    record_epoch,
-    remove_best,
-    resume_path,
-    scaled_lr,
-    start_profiler,
-    warmup_cosine,
+from ddp_common import (
+    Parser,
+    cleanup,
+    fail,
+    load_checkpoint,
+    positive_int,
+    print0,
+    save_checkpoint,
+    setup,
 )
+from training_data import build_model, get_data, loader, to_input
 
 
-def train_step(ddp_model, forward, optimizer, scaler, micro_batches, amp_dtype, clip_grad):
-    """One optimizer step over (x, y) micro-batches (forward: ddp_model, or compiled).
-    Returns (loss sum, correct) on the device."""
-    # DDP: zero in place; None would drop the bucket views (a copy per step).
-    optimizer.zero_grad(set_to_none=False)
-    n = len(micro_batches)
-    device = micro_batches[0][0].device
-    stats = torch.zeros(2, device=device)
-    for i, (x, y) in enumerate(micro_batches):
-        # DDP: no_sync must cover the forward too: DDP decides in forward whether the coming
-        # backward all-reduces. Wrapping only backward() still communicates on every micro-step.
-        sync = contextlib.nullcontext()
-        if i < n - 1:
-            sync = ddp_model.no_sync()
-        with sync:
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = forward(x)
-                loss = F.cross_entropy(logits, y)
-            # / n: the sum over micro-steps is the mean; DDP averages over the ranks.
-            scaler.scale(loss / n).backward()
-        correct = (logits.argmax(1) == y).sum()
-        stats += torch.stack([loss.detach().float() * len(y), correct.float()])
-    if clip_grad:
-        # fp16: clip the true gradients, not the loss-scaled ones.
-        scaler.unscale_(optimizer)
-        # The gradients are all-reduced: every rank computes the same norm.
-        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip_grad)
-    # fp16: skips the step if any gradient is inf/nan (the scale was too high).
-    scaler.step(optimizer)
-    scaler.update()
-    return stats
+def parse_args():
+    parser = Parser(description="Lesson 2: the production DDP template, under torchrun.")
+    parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn", "cnn-bn"])
+    parser.add_argument("--data", default="auto", choices=["auto", "cifar10", "synthetic"])
+    parser.add_argument("--data-dir", default="./data", help="holds cifar-10-batches-py/")
+    parser.add_argument("--subset", type=positive_int, help="the first N training, N/5 test images")
+    parser.add_argument("--epochs", type=positive_int, default=30)
+    parser.add_argument("--max-steps", type=positive_int, help="stop at step N (of --epochs)")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="per micro-batch")
+    parser.add_argument("--global-batch-size", type=positive_int, help="over all ranks")
+    parser.add_argument("--lr", type=float, default=0.1, help="at a global batch of 256")
+    parser.add_argument("--warmup-epochs", type=float, default=1.0, help="then cosine to 0")
+    parser.add_argument("--clip-grad", type=float, help="max global gradient norm")
+    parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
+    parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+    parser.add_argument("--seed", type=int, default=0, help="weights, data order, augmentation")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="for last.pt, best-*")
+    parser.add_argument("--resume", metavar="PATH|auto", help="auto: DIR/last.pt if it exists")
+    parser.add_argument("--save-every", type=positive_int, help="also save last.pt every N steps")
+    parser.add_argument("--keep-best", type=positive_int, default=1, help="checkpoints by val_acc")
+    parser.add_argument("--log-every", type=positive_int, default=50, help="steps per log line")
+    return parser.parse_args()
 
 
-def sync_buffers(model):
-    """DDP: BatchNorm statistics are buffers each rank updates from its own batches (DDP copies
-    rank 0's when a training forward starts). Before evaluating or saving, all take rank 0's."""
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+def pick_amp(choice, device):
+    """--amp auto: bf16 where the GPU has it, else fp16 (with a GradScaler); off on CPUs."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "off"
+    # A T4 or a V100 only emulates bf16, slowly: is_bf16_supported() alone says yes there.
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
-@torch.no_grad()
-def evaluate(model, dataset, ddp, norm, amp_dtype, batch_size):
-    """Exact: rank r takes samples r, r+W, ... (no padding repeats), sums are all-reduced. On the
-    bare model: shards differ by a batch, and a DDP forward may run a collective (a hang)."""
-    sync_buffers(model)
-    model.eval()
-    # Loss sum, correct, count.
-    totals = torch.zeros(3, device=ddp.device, dtype=torch.float64)
-    shard = Subset(dataset, range(ddp.rank, len(dataset), ddp.world_size))
-    for images, labels in DataLoader(shard, batch_size):
-        x = to_input(images, norm)
-        y = labels.to(ddp.device, non_blocking=True)
-        with torch.autocast(ddp.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(x).float()
-        totals[0] += F.cross_entropy(logits, y, reduction="sum")
-        totals[1] += (logits.argmax(1) == y).sum()
-        # A Python number: no tensor built and copied to the device every batch.
-        totals[2] += len(y)
-    # DDP: sum over the shards
-    dist.all_reduce(totals)
-    model.train()
-    loss_sum, correct, count = totals.tolist()
-    return loss_sum / max(count, 1), correct / max(count, 1), int(correct), int(count)
+def my_share(shard, step, global_batch, rank, world_size):
+    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
+    r, r+W, r+2W, ... Global batch `step` is positions step*G .. (step+1)*G - 1; this returns
+    this rank's part of it, the same samples on any world size."""
+    first = -(-(step * global_batch - rank) // world_size)
+    last = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[first:last]
 
 
 class Trainer:
-    """The run: built once, then fit(). Progress is a dict of counts, saved in every checkpoint."""
-
-    def __init__(self, args, ddp):
+    def __init__(self, args, ddp, data):
         self.args = args
         self.ddp = ddp
+        self.device = ddp.device
+        self.dataset, self.train_set, self.val_set, self.test_set = data
         self.amp = pick_amp(args.amp, ddp.device)
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp)
-        self.dataset, self.train_set, self.val_set, self.test_set = load_data(
-            args.data, args.data_dir, args.subset, args.seed, ddp
-        )
-        self.norm = [torch.tensor(v, device=ddp.device).view(1, 3, 1, 1) for v in (MEAN, STD)]
-        self.plan_batches()
-        # DDP: each rank reads its own 1/world_size of the shuffled indices (train_epoch).
-        self.sampler = DistributedSampler(
-            self.train_set, ddp.world_size, ddp.rank, shuffle=True, seed=args.seed
-        )
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[self.amp]
+        # The same initial weights in every process (DDP also copies rank 0's to all).
+        torch.manual_seed(args.seed)
         # NHWC: faster convolutions on GPUs (tensor cores) and CPUs (oneDNN).
-        self.model = build_model(args.model).to(ddp.device, memory_format=torch.channels_last)
-        self.lr = scaled_lr(args, self.global_batch)
-        self.optimizer = build_optimizer(self.model, args, self.lr)
-        # The schedule counts optimizer steps: the same on any world size.
-        warmup = min(self.total_steps, round(args.warmup_epochs * self.steps_per_epoch))
-        self.scheduler = warmup_cosine(self.optimizer, warmup, self.total_steps)
-        self.scaler = torch.amp.GradScaler(ddp.device.type, enabled=self.amp == "fp16")
-        self.progress = fresh_progress()
-        self.resume()
-        # DDP: broadcasts rank 0's weights; in backward, averages the gradients in buckets,
-        # overlapped with the backward pass (.grad tensors become views into the buckets).
-        device_ids = None
-        if ddp.device.type == "cuda":
-            device_ids = [ddp.device.index]
-        self.ddp_model = DDP(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
+        model = build_model(args.model).to(self.device, memory_format=torch.channels_last)
+        # fused: one kernel for the whole update. The LR is set before every step.
+        self.optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=True
+        )
+        # fp16's small gradients underflow unless the loss is scaled up; bf16's do not.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
+        self.step = 0
+        self.best = []
+        self._plan_batches(self._resume(model))
+        # DDP: wrap the model; its backward averages the gradients of all processes.
+        on_gpu = self.device.type == "cuda"
+        self.model = DDP(model, device_ids=[self.device.index] if on_gpu else None)
         # DDP first, then compile: the compiler sees DDP's buckets and overlaps their all-reduce.
-        self.forward = self.ddp_model
-        if args.compile:
-            self.forward = torch.compile(self.ddp_model)
-        self.loss = float("nan")
-        self.val_acc = float("nan")
-        self.profiler = None
+        self.forward = torch.compile(self.model) if args.compile else self.model
+        # DDP: rank r draws positions r, r+W, r+2W, ... of the epoch's shuffle (see my_share).
+        self.sampler = DistributedSampler(self.train_set, seed=args.seed)
 
-    def plan_batches(self):
-        """The global batch G is fixed; the accumulation steps absorb the world size."""
+    def _resume(self, model):
+        """--resume PATH|auto: every rank loads the checkpoint (to the CPU, before the DDP wrap)
+        and takes up its step, best-k, loss scale and random state. Returns its global batch."""
+        path = self.args.resume
+        if path == "auto":
+            path = os.path.join(self.args.checkpoint_dir, "last.pt")
+            if not os.path.isfile(path):
+                print0(f"resume: no {path} yet; starting from scratch")
+                path = None
+        ckpt = load_checkpoint(path, model=model, optimizer=self.optimizer) if path else {}
+        found = [None] * self.ddp.world_size
+        # DDP: every rank must start from the same step, or they take different steps and hang.
+        # With node-local disks some ranks may not see the file: compare what each found.
+        dist.all_gather_object(found, ckpt.get("step"))
+        if len(set(found)) > 1:
+            why = f"ranks found different checkpoints (step by rank: {found})"
+            fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
+        if not ckpt:
+            return None
+        saved = ckpt["global_batch"]
+        if self.args.global_batch_size not in (None, saved):
+            fail(f"{path} has a global batch of {saved}: resume with --global-batch-size {saved}")
+        self.step = ckpt["step"]
+        # A checkpoint is input from outside: the best-k files a run deletes are named from
+        # numbers (the epochs), never from text in it.
+        try:
+            self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
+        except (TypeError, ValueError):
+            fail(f"{path}: its best-k list is not [accuracy, epoch] pairs", code=1)
+        # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
+        if ckpt["scaler"]:
+            self.scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["world_size"] == self.ddp.world_size:
+            # Each rank takes back its own random state (dropout, random augmentation).
+            rng = ckpt["rng"][self.ddp.rank]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:
+            # The ranks' streams cannot be split anew for another world size: new ones.
+            torch.manual_seed(self.args.seed + 1000 * self.step + self.ddp.rank)
+        print0(f"resume: {path} at step {self.step}, saved by {ckpt['world_size']} ranks")
+        return saved
+
+    def _plan_batches(self, saved):
+        """G, samples per step over all ranks: --global-batch-size, the checkpoint's, or B x W."""
         args = self.args
-        per_step = args.batch_size * self.ddp.world_size
-        self.accum_steps = args.accum_steps
-        self.global_batch = per_step * args.accum_steps
-        if args.global_batch_size:
-            if args.global_batch_size % per_step:
-                fail(
-                    f"--global-batch-size {args.global_batch_size} is not a multiple of "
-                    f"{self.ddp.world_size} ranks x --batch-size {args.batch_size}",
-                    rank0_only=True,
-                )
-            self.global_batch = args.global_batch_size
-            self.accum_steps = self.global_batch // per_step
+        self.global_batch = args.global_batch_size or saved or args.batch_size * self.ddp.world_size
+        if self.ddp.world_size > self.global_batch:
+            # A rank without a sample would not join the step's all-reduce.
+            fail(f"a global batch of {self.global_batch} leaves ranks without a sample")
         # An epoch is every whole global batch of the training set, on any world size.
         self.steps_per_epoch = len(self.train_set) // self.global_batch
-        self.epoch_size = self.steps_per_epoch * self.global_batch
         if self.steps_per_epoch == 0:
-            fail(
-                f"{len(self.train_set)} training samples are fewer than one global batch of "
-                f"{self.global_batch}: lower --batch-size, --accum-steps or --global-batch-size",
-                rank0_only=True,
-            )
+            fail(f"{len(self.train_set)} training samples: fewer than {self.global_batch}")
         self.total_steps = args.epochs * self.steps_per_epoch
-        self.run_steps = min(self.total_steps, args.max_steps or self.total_steps)
+        self.last_step = min(self.total_steps, args.max_steps or self.total_steps)
+        self.warmup_steps = round(args.warmup_epochs * self.steps_per_epoch)
+        # --lr is for a global batch of 256: k times the batch, k times fewer steps, each k times
+        # as far (the linear scaling rule for SGD, which the warm-up makes safe).
+        self.peak_lr = args.lr * self.global_batch / 256
 
-    def resume(self):
-        """--resume PATH|auto, before the DDP wrap. All ranks must agree: with node-local disks
-        some may lack last.pt, and a rank starting fresh beside resumed ones hangs later."""
-        args = self.args
-        path = resume_path(args.resume, args.checkpoint_dir)
-        ckpt = None
-        found = None
-        if path:
-            # To the CPU (no GPU holds a second copy); load_state_dict copies to the device.
-            targets = ["model", "optimizer", "scheduler", "scaler"]
-            ckpt = load_checkpoint(path, **{name: getattr(self, name) for name in targets})
-            found = (ckpt.get("step"), ckpt.get("global_batch"))
-        everyone = [None] * self.ddp.world_size
-        # DDP: what did every rank find?
-        dist.all_gather_object(everyone, found)
-        if len(set(everyone)) > 1:
-            fail(
-                f"ranks found different checkpoints ((step, global batch) by rank: {everyone}): "
-                "give every node the same one (a shared --checkpoint-dir), or remove them all",
-                code=1,
-            )
-        if ckpt is None:
-            if args.resume:
-                print0(f"resume: no {args.checkpoint_dir}/last.pt yet; starting from scratch")
-            return
-        check_progress(ckpt, path)
-        # A step is one global batch: with another one, step counts and positions mean other
-        # samples. The world size may change: the accumulation steps absorb it.
-        if ckpt["global_batch"] != self.global_batch:
-            fail(
-                f"{path} was saved with a global batch of {ckpt['global_batch']}, this run has "
-                f"{self.global_batch}: resume with --global-batch-size {ckpt['global_batch']}",
-                rank0_only=True,
-            )
-        for key in self.progress:
-            self.progress[key] = ckpt[key]
-        # Each rank its own generators; on another world size there is no rank-for-rank match
-        # (nothing here draws random numbers while training: augmentation is a hash).
-        if ckpt["world_size"] == self.ddp.world_size:
-            states = ckpt["rng"][self.ddp.rank]
-            torch.set_rng_state(states[0])
-            # (A checkpoint saved on CPUs holds no CUDA generator.)
-            if self.ddp.device.type == "cuda" and len(states) > 1:
-                torch.cuda.set_rng_state(states[1])
-        epoch = min(self.progress["epoch"] + 1, args.epochs)
-        print0(
-            f"resume: {path} at epoch {epoch}, step {self.progress['step']}, saved by "
-            f"{ckpt['world_size']} ranks"
-        )
+    def _learning_rate(self):
+        """Up linearly over the warm-up steps, then down to 0 along a cosine."""
+        if self.step < self.warmup_steps:
+            return self.peak_lr * (self.step + 1) / self.warmup_steps
+        done = (self.step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return self.peak_lr * 0.5 * (1 + math.cos(math.pi * done))
 
-    def save(self, filename):
-        """Every rank calls this (it gathers); global rank 0 writes the file atomically."""
-        sync_buffers(self.model)
-        # DDP: every rank's random generators, for an exact resume.
+    def _run_batch(self, micro_batches, epoch):
+        """One optimizer step: this rank's share of the global batch, micro-batch by micro-batch."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._learning_rate()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (images, labels, index) in enumerate(micro_batches):
+            x = to_input(images, self.device, augment=(index, epoch, self.args.seed))
+            y = labels.to(self.device, non_blocking=True)
+            # DDP: only the step's last micro-batch all-reduces. no_sync must cover the forward
+            # too: DDP decides in forward whether the coming backward all-reduces.
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                with torch.autocast(self.device.type, self.amp_dtype, self.amp != "off"):
+                    loss = F.cross_entropy(self.forward(x), y, reduction="sum")
+                # DDP: the sum x W/G: DDP averages the W ranks' gradients, so the step's is the
+                # mean over its G samples, however they are split into ranks and micro-batches.
+                self.scaler.scale(loss * self.ddp.world_size / self.global_batch).backward()
+            loss_sum += loss.detach()
+        if self.args.clip_grad:
+            # fp16: clip the true gradients, not the scaled ones (all ranks' are the same).
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
+        # fp16: the step is skipped if a gradient overflowed, and the scale lowered.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    def _run_epoch(self, epoch):
+        # DDP: a new shuffle every epoch, the same in every process; without it every epoch
+        # repeats epoch 0's order.
+        self.sampler.set_epoch(epoch)
+        shard = list(self.sampler)
+        first = epoch * self.steps_per_epoch
+        steps = range(self.step, min(first + self.steps_per_epoch, self.last_step))
+        rank, world_size = self.ddp.rank, self.ddp.world_size
+        shares = [my_share(shard, s - first, self.global_batch, rank, world_size) for s in steps]
+        size = self.args.batch_size
+        batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
+        seed = self.args.seed + 1000 * epoch + rank
+        micro_batches = iter(loader(self.train_set, batches, self.device, seed))
+        # The loss summed on the device between log lines: no wait for the GPU per step.
+        loss_sum = torch.zeros((), device=self.device)
+        logged = self.step
+        start = time.perf_counter()
+        for share in shares:
+            step_batches = [next(micro_batches) for _ in range(0, len(share), size)]
+            loss_sum += self._run_batch(step_batches, epoch)
+            self.step += 1
+            if self.step % self.args.log_every == 0 or self.step == steps.stop:
+                samples = (self.step - logged) * self.global_batch
+                # DDP: add up every rank's loss: the mean over all samples since the last line.
+                dist.all_reduce(loss_sum)
+                # .item() waits for the device: once per log line.
+                print0(
+                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.last_step}"
+                    f" | loss {loss_sum.item() / samples:.4f} | lr {self._learning_rate():.4g}"
+                    f" | {samples / (time.perf_counter() - start):.0f} samples/s"
+                )
+                loss_sum.zero_()
+                logged = self.step
+                start = time.perf_counter()
+            every = self.args.save_every
+            if every and self.step % every == 0 and self.step != steps.stop:
+                self._save_checkpoint("last.pt")
+
+    @torch.no_grad()
+    def evaluate(self, dataset):
+        """Loss, correct and count over the whole dataset, the same on every rank."""
+        # DDP: the bare model: a forward through the wrapper may start a collective that
+        # processes with fewer test batches never join.
+        model = self.model.module
+        # DDP: BatchNorm's running statistics are buffers each rank updated from its own
+        # batches: all take rank 0's, the ones its checkpoints hold.
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+        model.eval()
+        # DDP: process r scores samples r, r+W, r+2W, ...; a DistributedSampler would pad the
+        # shards with repeated samples to make them equal.
+        shard = Subset(dataset, range(self.ddp.rank, len(dataset), self.ddp.world_size))
+        totals = torch.zeros(3, device=self.device)
+        for images, labels in DataLoader(shard, batch_size=2 * self.args.batch_size):
+            y = labels.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, self.amp_dtype, self.amp != "off"):
+                logits = model(to_input(images, self.device)).float()
+            totals[0] += F.cross_entropy(logits, y, reduction="sum")
+            totals[1] += (logits.argmax(1) == y).sum()
+            totals[2] += len(y)
+        # DDP: add up every process's sums: each sample counted once.
+        dist.all_reduce(totals)
+        model.train()
+        loss_sum, correct, count = totals.tolist()
+        return loss_sum / count, correct, count
+
+    def _save_checkpoint(self, filename):
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
         rngs = [None] * self.ddp.world_size
-        mine = [torch.get_rng_state()]
-        if self.ddp.device.type == "cuda":
-            mine.append(torch.cuda.get_rng_state())
-        dist.all_gather_object(rngs, mine)
+        # DDP: every rank's random state, so each takes its own back on resume.
+        dist.all_gather_object(rngs, rng)
         state = {
-            "model": self.model.state_dict(),
+            # DDP: the bare model's weights, without the wrapper's "module." prefix.
+            "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": rngs,
+            "step": self.step,
+            "epoch": self.step // self.steps_per_epoch,
             "global_batch": self.global_batch,
             "world_size": self.ddp.world_size,
-            "args": vars(self.args),
-            **self.progress,
+            "rng": rngs,
+            # [val_acc, epoch] of the best-k checkpoints, the best first.
+            "best": self.best,
         }
+        # DDP: every process holds the same weights: rank 0 writes, the others wait.
         save_checkpoint(state, os.path.join(self.args.checkpoint_dir, filename))
 
-    def train_epoch(self):
-        """Optimizer steps to the end of the epoch or to --max-steps; True if the epoch ended."""
-        args = self.args
-        ddp = self.ddp
-        progress = self.progress
-        epoch = progress["epoch"]
-        # DDP: else every epoch repeats epoch 0's order
-        self.sampler.set_epoch(epoch)
-        # DDP: rank r holds positions r, r+W, r+2W, ... of the epoch's permutation, so the global
-        # batch of step s (positions sG .. (s+1)G) is items sG/W .. (s+1)G/W of every rank's
-        # shard, on any world size. A resume starts at the first global sample not yet seen.
-        start = progress["epoch_samples"] // ddp.world_size
-        end = self.epoch_size // ddp.world_size
-        shard = list(self.sampler)[start:end]
-        on_gpu = ddp.device.type == "cuda"
-        # Seeds for the workers from a generator of our own: the global one is left untouched.
-        generator = torch.Generator().manual_seed(args.seed * 100003 + epoch * 1009 + ddp.rank)
-        loader = DataLoader(
-            self.train_set,
-            args.batch_size,
-            sampler=shard,
-            generator=generator,
-            num_workers=4 * on_gpu,
-            pin_memory=on_gpu,
-        )
-        self.stats = torch.zeros(2, device=ddp.device)
-        self.log_time = time.perf_counter()
-        self.log_samples = 0
-        micro = []
-        for images, labels, index in loader:
-            x = to_input(images, self.norm, (index, epoch, args.seed))
-            micro.append((x, labels.to(ddp.device, non_blocking=True)))
-            if len(micro) < self.accum_steps:
-                continue
-            self.stats += train_step(
-                self.ddp_model,
-                self.forward,
-                self.optimizer,
-                self.scaler,
-                micro,
-                self.amp_dtype,
-                args.clip_grad,
-            )
-            micro = []
-            self.scheduler.step()
-            progress["step"] += 1
-            progress["epoch_samples"] += self.global_batch
-            self.log_samples += self.global_batch
-            self.after_step()
-            if progress["step"] == self.run_steps:
+    def _keep_best(self, epoch, accuracy):
+        """last.pt, and best-epochNNN.pt while the epoch is among the --keep-best best."""
+        keep = self.args.keep_best
+        ranked = sorted(self.best + [[accuracy, epoch]], key=lambda entry: (-entry[0], entry[1]))
+        self.best = ranked[:keep]
+        if [accuracy, epoch] in self.best:
+            self._save_checkpoint(f"best-epoch{epoch:03d}.pt")
+        self._save_checkpoint("last.pt")
+        for _, old in ranked[keep:]:
+            if self.ddp.rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.args.checkpoint_dir, f"best-epoch{old:03d}.pt"))
+
+    def train(self):
+        while self.step < self.last_step:
+            epoch = self.step // self.steps_per_epoch
+            self._run_epoch(epoch)
+            if self.step % self.steps_per_epoch:
+                # --max-steps stopped the run inside the epoch.
+                self._save_checkpoint("last.pt")
                 break
-        return progress["epoch_samples"] == self.epoch_size
-
-    def after_step(self):
-        """The profiler, the sync check, a log line, a save: each when it is due."""
-        args = self.args
-        step = self.progress["step"]
-        epoch_done = self.progress["epoch_samples"] == self.epoch_size
-        if self.profiler:
-            self.profiler.step()
-        if args.verify_sync and step % args.verify_sync == 0:
-            check_in_sync(self.model, step)
-        if step % args.log_every == 0 or step == self.run_steps or epoch_done:
-            self.log()
-        if args.save_every and step % args.save_every == 0 and not epoch_done:
-            self.save("last.pt")
-
-    def log(self):
-        """One line: the training loss and accuracy since the last line, over all ranks."""
-        # DDP: global loss and accuracy; the loop's only wait for the device.
-        dist.all_reduce(self.stats)
-        loss_sum, correct = self.stats.tolist()
-        now = time.perf_counter()
-        step = self.progress["step"]
-        self.loss = loss_sum / self.log_samples
-        eta = (self.run_steps - step) * (now - self.start_time) / (step - self.start_step)
-        print0(
-            f"epoch {self.progress['epoch'] + 1}/{self.args.epochs} | step {step}/{self.run_steps}"
-            f" | loss {self.loss:.4f} | acc {100 * correct / self.log_samples:.2f}%"
-            f" | lr {self.scheduler.get_last_lr()[0]:.4g}"
-            f" | {self.log_samples / (now - self.log_time):.0f} samples/s"
-            f" | eta {datetime.timedelta(seconds=round(eta))}"
-        )
-        self.log_time = now
-        self.log_samples = 0
-        self.stats.zero_()
-
-    def evaluate_on(self, dataset):
-        """Loss, accuracy, correct and count over the whole dataset, the same on every rank."""
-        batch_size = 2 * self.args.batch_size
-        return evaluate(self.model, dataset, self.ddp, self.norm, self.amp_dtype, batch_size)
-
-    def end_epoch(self):
-        """Validate, keep the best-k checkpoints, decide early stopping; True to stop."""
-        args = self.args
-        progress = self.progress
-        val_loss, self.val_acc, correct, count = self.evaluate_on(self.val_set)
-        evicted = record_epoch(progress, self.val_acc, args.keep_best)
-        epoch = progress["epoch"]
-        # DDP: rank 0 decides for all: a rank that stopped alone would leave the others waiting.
-        patience_out = args.patience > 0 and progress["bad_epochs"] >= args.patience
-        stop = torch.tensor([patience_out], device=self.ddp.device)
-        dist.broadcast(stop, src=0)
-        line = f"epoch {epoch}/{args.epochs} | val_loss {val_loss:.4f}"
-        line += f" | val_acc {100 * self.val_acc:.2f}% ({correct}/{count})"
-        line += f" | best {100 * progress['best_acc']:.2f}%"
-        if stop:
-            line += " | early stop"
-        print0(line)
-        self.save("last.pt")
-        if [self.val_acc, epoch] in progress["best"]:
-            self.save(best_name(epoch))
-        if self.ddp.is_main:
-            remove_best(args.checkpoint_dir, evicted)
-        return bool(stop)
-
-    def fit(self):
-        """Train to the end (or --max-steps, or early stopping), then test; returns the results."""
-        args = self.args
-        ddp = self.ddp
-        progress = self.progress
-        print0(
-            f"start: data {self.dataset} | model {args.model} | train {len(self.train_set)}"
-            f" | val {len(self.val_set)} | test {len(self.test_set)} | world {ddp.world_size}"
-            f" | backend {ddp.backend} | device {ddp.device.type} | amp {self.amp}"
-            f" | batch {args.batch_size}/rank x {self.accum_steps} accum"
-            f", {self.global_batch} global"
-            f" | lr {self.lr:g} | steps {progress['step']}->{self.run_steps} of {self.total_steps}"
-        )
-        if args.profile and ddp.is_main:
-            self.profiler = start_profiler(args.checkpoint_dir)
-        self.start_time = time.perf_counter()
-        self.start_step = progress["step"]
-        # A run resumed after an early stop has nothing left to do.
-        stop = args.patience > 0 and progress["bad_epochs"] >= args.patience
-        with self.profiler or contextlib.nullcontext():
-            while (
-                progress["epoch"] < args.epochs and progress["step"] < self.run_steps and not stop
-            ):
-                if not self.train_epoch():
-                    # --max-steps stopped it inside the epoch.
-                    self.save("last.pt")
-                    break
-                stop = self.end_epoch()
-        # No epoch ended in this run: validate now.
-        if progress["step"] == self.start_step or progress["epoch_samples"]:
-            self.val_acc = self.evaluate_on(self.val_set)[1]
-        _, test_acc, correct, count = self.evaluate_on(self.test_set)
-        best = max(progress["best_acc"], 0)
-        print0(
-            f"done: data {self.dataset} | model {args.model} | world {ddp.world_size}"
-            f" | backend {ddp.backend} | device {ddp.device.type} | epochs {progress['epoch']}"
-            f" | steps {progress['step']} | loss {self.loss:.4f}"
-            f" | val_acc {100 * self.val_acc:.2f}% | best_val_acc {100 * best:.2f}%"
-            f" | test_acc {100 * test_acc:.2f}% ({correct}/{count})"
-            f" | time {time.perf_counter() - self.start_time:.1f}s"
-        )
-        return {
-            **progress,
-            "dataset": self.dataset,
-            "loss": self.loss,
-            "val_acc": self.val_acc,
-            "test_acc": test_acc,
-            "test_count": count,
-        }
+            loss, correct, count = self.evaluate(self.val_set)
+            self._keep_best(epoch + 1, correct / count)
+            print0(
+                f"epoch {epoch + 1}/{self.args.epochs} | val_loss {loss:.4f} | val_acc "
+                f"{100 * correct / count:.2f}% ({correct:.0f}/{count:.0f}) | best "
+                f"{100 * self.best[0][0]:.2f}%"
+            )
+        return self.evaluate(self.test_set)
 
 
 @record
-def main(argv=None):
-    """Train; returns the progress and final metrics (the tests call this under mp.spawn)."""
-    args = parse_args(argv)
-    # DDP: join the process group; pick this rank's device
-    ddp = setup(args.backend)
-    # The same seed everywhere: the same initial weights (DDP broadcasts rank 0's too).
-    set_seed(args.seed)
-    trainer = Trainer(args, ddp)
-    results = trainer.fit()
-    # DDP: free the wrapper before leaving the group: on gloo a DDP that never ran a backward
-    # (a finished run resumed) can abort the process at exit. cleanup() collects its cycles.
+def main():
+    args = parse_args()
+    # DDP: join the process group; torchrun says which process this is (rank, local rank).
+    ddp = setup()
+    trainer = Trainer(args, ddp, get_data(args, ddp))
+    print0(
+        f"start: data {trainer.dataset} | model {args.model} | world {ddp.world_size} | device "
+        f"{ddp.device.type} | amp {trainer.amp} | batch {args.batch_size}/micro-batch, "
+        f"{trainer.global_batch} global | lr {trainer.peak_lr:g} | steps {trainer.step}->"
+        f"{trainer.last_step} of {trainer.total_steps}"
+    )
+    start = time.perf_counter()
+    loss, correct, count = trainer.train()
+    print0(
+        f"done: data {trainer.dataset} | world {ddp.world_size} | steps {trainer.step} | test_loss "
+        f"{loss:.4f} | test_acc {100 * correct / count:.2f}% ({correct:.0f}/{count:.0f}) | time "
+        f"{time.perf_counter() - start:.1f}s"
+    )
+    # DDP: drop the wrapper, then leave the process group.
     del trainer
     cleanup()
-    return results
 
 
 if __name__ == "__main__":

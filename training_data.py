@@ -10,16 +10,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_common import fail, print0
-from ddp_extras import folder_lock, long_barrier
 
 # CIFAR-10's channel statistics, for normalising its images.
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
-CIFAR_DIR = "cifar-10-batches-py"
 CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+# What a pickled numpy array needs, and nothing else (numpy 1 names and numpy 2 names).
+ARRAY_PARTS = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+}
 
 
 def build_model(name):
@@ -60,97 +65,118 @@ def synthetic_cifar(seed, n_train, n_test):
     return (images[:n_train], labels[:n_train]), (images[n_train:], labels[n_train:])
 
 
+class ArraysOnly(pickle.Unpickler):
+    """CIFAR-10's files are pickles, and pickle.load runs whatever code a file names: a crafted
+    data_batch_1 in a shared --data-dir would run on every rank. This one builds arrays only."""
+
+    def find_class(self, module, name):
+        if (module, name) not in ARRAY_PARTS:
+            raise pickle.UnpicklingError(f"refused {module}.{name}: not part of a numpy array")
+        return super().find_class(module, name)
+
+
 def read_cifar(data_dir):
-    """The python version of CIFAR-10: pickled {"data": N x 3072 uint8, "labels": N ints}, five
-    training files and one test file. Returns (images, labels) per file; raises if unreadable."""
+    """The python version of CIFAR-10 (cifar-10-batches-py/): pickled {"data": N x 3072 uint8,
+    "labels": N ints}. Returns [(images, labels)] per file; raises if a file is unreadable."""
     files = []
     for name in CIFAR_FILES:
-        path = os.path.join(data_dir, CIFAR_DIR, name)
-        with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")
+        with open(os.path.join(data_dir, "cifar-10-batches-py", name), "rb") as f:
+            entry = ArraysOnly(f, encoding="latin1").load()
         images = torch.from_numpy(np.asarray(entry["data"], dtype=np.uint8)).view(-1, 3, 32, 32)
         labels = torch.tensor(entry["labels"], dtype=torch.int64)
         if len(images) != len(labels):
-            raise ValueError(f"{path} holds {len(images)} images but {len(labels)} labels")
+            raise ValueError(f"{name} holds {len(images)} images but {len(labels)} labels")
         files.append((images, labels))
     return files
 
 
-def load_data(data, data_dir, subset, seed, ddp):
-    """-> (name, train, val, test). train yields (image, label, sample index): the index seeds
-    augmentation. --data-dir may be node-local: local rank 0 of EVERY node downloads, each rank
-    reads its own copy, and all ranks agree on one dataset."""
-    files = None
-    problem = None
-    if data != "synthetic":
-        paths = [os.path.join(data_dir, CIFAR_DIR, name) for name in CIFAR_FILES]
-        # Once per node: several ranks downloading into one folder corrupt it.
-        # Nodes that share one disk take turns (a lock file) rather than write the same files.
-        if ddp.local_rank == 0 and not all(os.path.isfile(p) for p in paths):
-            # Offline? Then the read below says what is missing.
-            with folder_lock(data_dir), contextlib.suppress(Exception):
-                from torchvision.datasets import CIFAR10
+def fetch_cifar(data_dir):
+    """Download and unpack CIFAR-10 into data_dir, unless its files are there."""
+    paths = [os.path.join(data_dir, "cifar-10-batches-py", name) for name in CIFAR_FILES]
+    if not all(os.path.isfile(path) for path in paths):
+        from torchvision.datasets import CIFAR10
+        from torchvision.datasets.utils import download_and_extract_archive
 
-                CIFAR10(data_dir, train=True, download=True)
-        # DDP: the node's other ranks wait for its download, longer than a collective may.
-        long_barrier()
+        # The archive's checksum is checked; nothing is unpickled here.
+        download_and_extract_archive(CIFAR10.url, data_dir, md5=CIFAR10.tgz_md5)
+
+
+def get_data(args, ddp):
+    """-> (name, train, val, test). train yields (image, label, index): the index seeds its
+    augmentation. --data auto: CIFAR-10 if every rank can read it, else synthetic on all."""
+    problem = None
+    if args.data != "synthetic":
+        # DDP: global rank 0 fetches first; then each node's local rank 0 fetches what its node
+        # still lacks (node-local disks); everyone else waits at the barrier. No two processes
+        # ever write one folder at once, shared disk or not.
+        for fetching in (ddp.rank == 0, ddp.local_rank == 0):
+            if fetching:
+                with contextlib.suppress(Exception):
+                    fetch_cifar(args.data_dir)
+            dist.barrier()
         try:
-            files = read_cifar(data_dir)
+            files = read_cifar(args.data_dir)
         except Exception as e:
-            # Missing, truncated, not CIFAR-10.
-            reason = " ".join(str(e).split())[:150]
-            problem = f"rank {ddp.rank} (node {ddp.node_rank}) in {data_dir}: {reason}"
+            problem = f"rank {ddp.rank}: {' '.join(str(e).split())[:200]}"
     problems = [None] * ddp.world_size
-    # DDP: every rank learns every rank's outcome
+    # DDP: every rank reads its own --data-dir: all must train on the same data, or none.
     dist.all_gather_object(problems, problem)
     bad = [p for p in problems if p]
+    if bad and args.data == "cifar10":
+        why = f"no CIFAR-10 in {args.data_dir} on {len(bad)} of {ddp.world_size} ranks ({bad[0]})"
+        fail(f"{why}; offline? --data synthetic needs no download", code=1, rank0_only=True)
     if bad:
-        where = f"on {len(bad)} of {ddp.world_size} ranks ({bad[0]})"
-        if data == "cifar10":
-            fail(
-                f"CIFAR-10 is not readable {where}: copy it to every node, or use --data synthetic",
-                code=1,
-            )
-        print0(f"warning: no CIFAR-10 {where}; training on synthetic CIFAR-shaped data instead")
-    n_train = subset or 50000
-    n_test = 10000
-    if subset:
-        n_test = max(1, subset // 5)
-    if bad or data == "synthetic":
+        print0(f"warning: no CIFAR-10 on {len(bad)} rank(s) ({bad[0]}): synthetic data instead")
+    n_train = args.subset or 50000
+    n_test = max(1, args.subset // 5) if args.subset else 10000
+    if bad or args.data == "synthetic":
         name = "synthetic"
-        (x, y), (test_x, test_y) = synthetic_cifar(seed, n_train, n_test)
+        (x, y), (test_x, test_y) = synthetic_cifar(args.seed, n_train, n_test)
     else:
         name = "cifar10"
-        x = torch.cat([images for images, _ in files[:5]])
-        y = torch.cat([labels for _, labels in files[:5]])
-        test_x, test_y = files[5]
+        x = torch.cat([images for images, _ in files[:5]])[:n_train]
+        y = torch.cat([labels for _, labels in files[:5]])[:n_train]
+        test_x, test_y = [t[:n_test] for t in files[5]]
     # A fixed 10% held out for validation (seed 0, not --seed: every run validates on the same).
-    order = torch.randperm(min(n_train, len(x)), generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train = order[len(order) // 10 :].sort().values
     val = order[: len(order) // 10].sort().values
-    return (
-        name,
-        TensorDataset(x[train], y[train], torch.arange(len(train))),
-        TensorDataset(x[val], y[val]),
-        TensorDataset(test_x[:n_test], test_y[:n_test]),
+    train_set = TensorDataset(x[train], y[train], torch.arange(len(train)))
+    return name, train_set, TensorDataset(x[val], y[val]), TensorDataset(test_x, test_y)
+
+
+def loader(dataset, batch_sampler, device, seed):
+    """The batches of dataset that batch_sampler lists, read ahead by worker processes on GPUs
+    and pinned, so their copies to the GPU overlap compute. The workers' seeds come from a
+    generator of its own, not from the global one (dropout's, which a checkpoint holds)."""
+    on_gpu = device.type == "cuda"
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=4 if on_gpu else 0,
+        pin_memory=on_gpu,
+        generator=torch.Generator().manual_seed(seed),
     )
 
 
-def to_input(images, norm, augment=None):
-    """uint8 images -> normalised floats on norm's device. augment = (index, epoch, seed): a random
+def to_input(images, device, augment=None):
+    """uint8 images -> normalised floats on the device. augment = (index, epoch, seed): a random
     crop and flip per sample, hashed from them: the same on any number of ranks, after a resume."""
-    x = images.to(norm[0].device, non_blocking=True)
+    x = images.to(device, non_blocking=True)
     if augment:
         index, epoch, seed = augment
-        index = index.to(x.device, non_blocking=True)
+        index = index.to(device, non_blocking=True)
         r = (index * 7919 + epoch * 104729 + seed * 1299709 + 1) % 2147483647
         # Lehmer steps: scramble neighbouring indices.
         for _ in range(3):
             r = r * 48271 % 2147483647
         # Every 32x32 window of the 4-pixel-padded image, as a view: (n, c, 9, 9, h, w).
         crops = F.pad(x, (4,) * 4).unfold(2, x.shape[2], 1).unfold(3, x.shape[3], 1)
-        x = crops[torch.arange(len(x), device=x.device), :, r % 9, r // 9 % 9]
+        x = crops[torch.arange(len(x), device=device), :, r % 9, r // 9 % 9]
         flip = (r // 81 % 2).bool()[:, None, None, None]
         x = torch.where(flip, x.flip(3), x)
     x = x.contiguous(memory_format=torch.channels_last).float().div_(255)
-    return (x - norm[0]) / norm[1]
+    # Python numbers, not tensors: nothing is copied to the device per batch.
+    for channel, (mean, std) in enumerate(zip(MEAN, STD, strict=True)):
+        x[:, channel].sub_(mean).div_(std)
+    return x
