@@ -1,412 +1,283 @@
-"""Lesson 5: fine-tune GPT-2 data-parallel (or train it from scratch), with mp.spawn or torchrun.
+"""Lesson 5: fine-tune GPT-2 on a text, one command: mp.spawn starts a worker per GPU. Each
+trains its share of every global batch of token windows; rank 0 saves, then exports the model
+for Hugging Face transformers. GPT-2 is in gpt2_model.py; the DDP lines are marked `# DDP:`.
 
     python gpt2_ddp.py --nproc 2 --init-from gpt2 --text FILE --export-hf out/
+"""
 
-New here: mp.spawn starts the workers; every rank loads the pretrained weights before DDP wraps
-the model; a global batch that stays the same whatever the number of ranks, so a checkpoint
-resumes on another world size; an exact validation loss; rank 0 exports the model for Hugging
-Face transformers after leaving the group. GPT-2 itself is in gpt2_model.py. The DDP lines are
-marked `# DDP:`."""
-
-import argparse
-import dataclasses
-import itertools
+import contextlib
 import logging
 import os
-import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import gpt2_model
-from ddp_checkpoint import load_checkpoint, save_checkpoint
-from ddp_common import cleanup, fail, print0, set_seed, setup
-from ddp_extras import free_port, long_barrier, pick_amp
+from ddp_common import (
+    Parser,
+    cleanup,
+    fail,
+    free_port,
+    load_checkpoint,
+    positive_int,
+    print0,
+    save_checkpoint,
+    setup,
+)
 
-CHECKPOINT = "gpt2.pt"
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 5: GPT-2, data-parallel. docs/gpt2.md")
-    parser.add_argument("--nproc", type=int, help="mp.spawn workers (default: 1 per GPU, else 1)")
-    parser.add_argument("--init-from", default="scratch", help="scratch, gpt2[-medium|...], PATH")
+def parse_args():
+    parser = Parser(description="Lesson 5: GPT-2, data-parallel. docs/gpt2.md")
+    parser.add_argument("--nproc", type=positive_int, help="workers (default: 1 per GPU, else 1)")
+    parser.add_argument("--init-from", default="scratch", help="scratch, gpt2[-medium...], PATH")
     parser.add_argument("--preset", default="tiny", choices=list(gpt2_model.PRESETS))
     parser.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"])
-    parser.add_argument("--text", required=True, help="the UTF-8 text file to train on")
-    parser.add_argument("--max-length", type=int, default=0, help="tokens per window (0: context)")
-    parser.add_argument("--epochs", type=int, default=10, help="the lr schedule spans them")
-    parser.add_argument("--max-steps", type=int, default=0, help="stop early (0: no cap)")
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="windows per rank, per micro-batch"
-    )
-    parser.add_argument("--global-batch-size", type=int, default=0, help="windows per step, total")
-    parser.add_argument("--accum-steps", type=int, help="default 1, or from --global-batch-size")
+    parser.add_argument("--text", required=True, help="a UTF-8 file: its last 10%% validates")
+    parser.add_argument("--max-length", type=positive_int, help="tokens per window (the context)")
+    parser.add_argument("--epochs", type=positive_int, default=10, help="the lr schedule's span")
+    parser.add_argument("--max-steps", type=positive_int, help="stop at step N (of --epochs)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="per micro-batch")
+    parser.add_argument("--global-batch-size", type=positive_int, help="windows per step")
     parser.add_argument("--lr", type=float, default=6e-4, help="peak lr (fine-tuning: 1e-4)")
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip (0: off)")
     parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
-    parser.add_argument("--save-every", type=int, default=0, help="steps (0: once per epoch)")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints")
-    parser.add_argument("--resume", metavar="PATH|auto", help=f"auto: DIR/{CHECKPOINT} if any")
-    parser.add_argument("--export-hf", metavar="DIR", help="a model for Hugging Face at the end")
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    args = parser.parse_args(argv)
-    for name in ("nproc", "epochs", "batch_size", "accum_steps", "log_every"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("max_length", "max_steps", "global_batch_size", "warmup_steps", "save_every"):
-        if getattr(args, name) < 0:
-            fail(f"--{name.replace('_', '-')} must not be negative")
-    if args.clip_grad < 0:
-        fail("--clip-grad must not be negative")
-    if args.global_batch_size and args.accum_steps is not None:
-        fail("--accum-steps follows from --global-batch-size: give one of the two")
-    return args
+    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="for last.pt")
+    parser.add_argument("--resume", metavar="PATH|auto", help="auto: DIR/last.pt if it exists")
+    parser.add_argument("--export-hf", metavar="DIR", help="at the end: a transformers model")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="steps per log line")
+    return parser.parse_args()
+
+
+def pick_amp(choice, device):
+    """--amp auto: bf16 where the GPU has it, else fp16 (with a GradScaler); off on CPUs."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda":
+        return "off"
+    # A T4 or a V100 only emulates bf16, slowly: is_bf16_supported() alone says yes there.
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+
+
+def my_share(shard, step, global_batch, rank, world_size):
+    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
+    r, r+W, r+2W, ... Global batch `step` is positions step*G .. (step+1)*G - 1; this returns
+    this rank's part of it, the same windows on any world size."""
+    first = -(-(step * global_batch - rank) // world_size)
+    last = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[first:last]
 
 
 def prepare(args, world_size):
-    """Once per job (the mp.spawn parent, or torchrun's rank 0): the model config, the weights,
-    the tokens, the batch arithmetic and the checkpoint to resume from. Every rank gets these."""
-    if not os.path.isfile(args.text):
-        fail(f"--text {args.text} is not a file")
-    init, cfg, enc = gpt2_model.model_config(args.init_from, args.preset, args.tokenizer)
-    max_length = args.max_length or cfg.block_size
-    if max_length > cfg.block_size:
-        fail(f"--max-length {max_length} exceeds the model's context ({cfg.block_size})")
-    train, val = gpt2_model.encode_text(args.text, enc)
-    global_batch, accum_steps = batch_sizes(args, world_size)
-    windows = len(gpt2_model.TokenWindows(train, max_length))
-    if len(val) <= max_length or windows < global_batch:
-        too_few = f"{len(train)} training and {len(val)} validation tokens are too few"
-        fail(f"{args.text}: {too_few} for {global_batch} windows of {max_length}: lower the batch")
-    return {
-        "train": train,
-        "val": val,
-        "source": os.path.basename(args.text),
-        "tokenizer": args.tokenizer,
-        "config": dataclasses.asdict(cfg),
-        "init": init,
-        "max_length": max_length,
-        "global_batch": global_batch,
-        "accum_steps": accum_steps,
-        "resume": checkpoint_to_resume(args, global_batch, max_length),
-    }
-
-
-def batch_sizes(args, world_size):
-    """The global batch (windows per optimizer step, over all ranks) and the accumulation steps
-    that make it: global = world size x --batch-size x accumulation."""
-    per_micro_batch = world_size * args.batch_size
-    if args.global_batch_size:
-        global_batch = args.global_batch_size
-    else:
-        global_batch = per_micro_batch * (args.accum_steps or 1)
-    if global_batch % per_micro_batch:
-        fail(
-            f"--global-batch-size {global_batch} is not a multiple of {world_size} ranks x "
-            f"--batch-size {args.batch_size}"
-        )
-    # DDP: the accumulation steps absorb the world size; the global batch stays what it is.
-    return global_batch, global_batch // per_micro_batch
-
-
-def checkpoint_to_resume(args, global_batch, max_length):
-    """The checkpoint to resume from, or None. Another world size is fine (the accumulation steps
-    absorb it); another global batch or window length would change the run: refused."""
-    if args.resume is None:
-        return None
-    path = args.resume
+    """Before any process joins the group, so no collective waits on a download: the windows, the
+    weights, and args resolved (length, checkpoint, global batch). A mistake: one line here."""
+    weights, cfg, enc = gpt2_model.model_config(args.init_from, args.preset, args.tokenizer)
+    args.max_length = args.max_length or cfg.block_size
+    if args.max_length > cfg.block_size:
+        fail(f"--max-length {args.max_length} exceeds the model's context ({cfg.block_size})")
+    tokens = gpt2_model.encode_text(args.text, enc)
+    train, val = (gpt2_model.TokenWindows(t, args.max_length) for t in tokens)
     if args.resume == "auto":
-        path = os.path.join(args.checkpoint_dir, CHECKPOINT)
-        if not os.path.isfile(path):
-            return None
-    saved = load_checkpoint(path)
-    if saved.get("global_batch") != global_batch or saved.get("max_length") != max_length:
-        fail(
-            f"{path} was saved with a global batch of {saved.get('global_batch')} windows of "
-            f"{saved.get('max_length')} tokens, this run has {global_batch} of {max_length}: "
-            f"resume with --global-batch-size {saved.get('global_batch')} --max-length "
-            f"{saved.get('max_length')} (any world size and --batch-size that divide it)"
-        )
-    return path
+        args.resume = os.path.join(args.checkpoint_dir, "last.pt")
+        if not os.path.isfile(args.resume):
+            print0(f"resume: no {args.resume} yet; starting from scratch")
+            args.resume = None
+    saved = load_checkpoint(args.resume) if args.resume else {}
+    # G, windows per step over all ranks: the flag, the checkpoint's, or batch x world size.
+    G = args.global_batch_size or saved.get("global_batch") or args.batch_size * world_size
+    if saved and (saved.get("global_batch"), saved.get("max_length")) != (G, args.max_length):
+        was = f"{saved.get('global_batch')} --max-length {saved.get('max_length')}"
+        fail(f"{args.resume} was saved by another run: resume with --global-batch-size {was}")
+    # Every rank needs a window of each step (or it would not join the step's all-reduce).
+    if len(train) < G or len(val) == 0 or world_size > G:
+        why = f"{len(train)} training and {len(val)} validation windows of {args.max_length} tokens"
+        fail(f"{args.text}: {why}, a global batch of {G} over {world_size} ranks: too few")
+    args.global_batch_size = G
+    return dict(train=train, val=val, config=cfg, weights=None if args.resume else weights)
 
 
-def build_loaders(train_set, val_set, rank, world_size, batch_size, seed, pin=False):
-    """Training: this rank's shard of a shuffled order. Validation: windows rank, rank + world
-    size, ..., each on exactly one rank, so the all-reduced loss is exact."""
-    # DDP: every rank sees a different, equally long part of the same shuffled order.
-    sampler = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed
-    )
-    train = DataLoader(train_set, batch_size, sampler=sampler, drop_last=True, pin_memory=pin)
-    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    return train, sampler, DataLoader(val_shard, batch_size, pin_memory=pin)
+class Trainer:
+    def __init__(self, args, ddp, data):
+        self.args = args
+        self.ddp = ddp
+        self.device = ddp.device
+        self.train_set, self.val_set = data["train"], data["val"]
+        self.amp = pick_amp(args.amp, ddp.device)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[self.amp]
+        self.global_batch = args.global_batch_size
+        # An epoch is every whole global batch of windows, on any world size.
+        self.steps_per_epoch = len(self.train_set) // self.global_batch
+        self.total_steps = args.epochs * self.steps_per_epoch
+        self.last_step = min(self.total_steps, args.max_steps or self.total_steps)
+        # The same initial weights in every process (DDP also copies rank 0's to all).
+        torch.manual_seed(0)
+        model = gpt2_model.GPT(data["config"])
+        if data["weights"]:
+            # DDP: every rank loads the released weights itself, before the wrap.
+            gpt2_model.load_hf_weights(model, data["weights"])
+        self.bare = model.to(self.device)
+        self.optimizer = gpt2_model.adamw(model, args.lr)
+        # fp16's small gradients underflow unless the loss is scaled up; bf16's do not.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
+        self.step = self._resume(model)
+        # DDP: wrap the model; its backward all-reduces the gradients in buckets, each .grad a
+        # view into its bucket (not a second copy). One process has nothing to all-reduce.
+        self.model = DDP(model, gradient_as_bucket_view=True) if ddp.world_size > 1 else model
+        # DDP first, then compile: the compiler sees DDP's buckets and overlaps their all-reduce.
+        self.forward = torch.compile(self.model) if args.compile else self.model
+        # DDP: rank r draws positions r, r+W, r+2W, ... of the epoch's shuffle (see my_share).
+        self.sampler = DistributedSampler(self.train_set, ddp.world_size, ddp.rank)
 
+    def _resume(self, model):
+        """Every rank loads the checkpoint (to the CPU, before the DDP wrap). Returns its step."""
+        path = self.args.resume
+        ckpt = load_checkpoint(path, model=model, optimizer=self.optimizer) if path else {}
+        found = [None] * self.ddp.world_size
+        # DDP: every rank must start from the same step, or they take different steps and hang.
+        # With node-local disks some ranks may not see the file: compare what each found.
+        dist.all_gather_object(found, ckpt.get("step"))
+        if len(set(found)) > 1:
+            why = f"ranks found different checkpoints (step by rank: {found})"
+            fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
+        if not ckpt:
+            return 0
+        # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
+        if ckpt["scaler"]:
+            self.scaler.load_state_dict(ckpt["scaler"])
+        print0(f"resume: {path} at step {ckpt['step']}, saved by {ckpt['world_size']} ranks")
+        return ckpt["step"]
 
-def start_position(step, steps_per_epoch, global_batch, world_batch):
-    """Where optimizer step `step` begins: (epoch, micro-batches each rank skips in it).
-    The position is counted in global samples: the first `sample` windows of the epoch's order
-    are done, and one micro-batch of all ranks (world size x batch) covers `world_batch` of them.
-    DistributedSampler deals the order out rank by rank, so this holds for any world size."""
-    epoch, step_in_epoch = divmod(step, steps_per_epoch)
-    sample = step_in_epoch * global_batch
-    return epoch, sample // world_batch
+    def _run_batch(self, micro_batches):
+        """One optimizer step: this rank's share of the global batch, micro-batch by micro-batch."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = gpt2_model.lr_at(self.step, self.args.lr, self.total_steps)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            # DDP: only the step's last micro-batch all-reduces (no_sync: one process has none).
+            last = i == len(micro_batches) - 1 or self.ddp.world_size == 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                with torch.autocast(self.device.type, self.amp_dtype, self.amp != "off"):
+                    # DDP: each window's mean loss, summed, x W/G: DDP averages the W ranks'
+                    # gradients, so the step's is the mean over its G windows, however split.
+                    loss = self.forward(x, y) * (len(x) * self.ddp.world_size / self.global_batch)
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        # DDP: zeroed in place, each .grad stays a view into its bucket (one process: None).
+        self.optimizer.zero_grad(set_to_none=self.ddp.world_size == 1)
+        return loss_sum
 
+    def _run_epoch(self, epoch):
+        # DDP: a new shuffle every epoch, the same in every process; without it every epoch
+        # repeats epoch 0's order.
+        self.sampler.set_epoch(epoch)
+        shard = list(self.sampler)
+        first = epoch * self.steps_per_epoch
+        steps = range(self.step, min(first + self.steps_per_epoch, self.last_step))
+        rank, world_size = self.ddp.rank, self.ddp.world_size
+        shares = [my_share(shard, s - first, self.global_batch, rank, world_size) for s in steps]
+        size = self.args.batch_size
+        batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
+        pin = self.device.type == "cuda"
+        micro_batches = iter(DataLoader(self.train_set, batch_sampler=batches, pin_memory=pin))
+        # The loss summed on the device between log lines: no wait for the GPU per step.
+        loss_sum = torch.zeros((), device=self.device)
+        logged = self.step
+        start = time.perf_counter()
+        for share in shares:
+            loss_sum += self._run_batch([next(micro_batches) for _ in range(0, len(share), size)])
+            self.step += 1
+            if self.step % self.args.log_every == 0 or self.step == steps.stop:
+                tokens = (self.step - logged) * self.global_batch * self.args.max_length
+                # DDP: add up every rank's loss (each x W/G): W times the mean over the windows.
+                dist.all_reduce(loss_sum)
+                # .item() waits for the device: once per log line.
+                print0(
+                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.last_step} "
+                    f"| loss {loss_sum.item() / world_size / (self.step - logged):.4f} | "
+                    f"{tokens / (time.perf_counter() - start):.0f} tokens/s"
+                )
+                loss_sum.zero_()
+                logged = self.step
+                start = time.perf_counter()
 
-def batches(loader, sampler, per_epoch, epoch=0, skip=0):
-    """Endless (epoch, inputs, targets): `per_epoch` micro-batches of each epoch, from
-    micro-batch `skip` of `epoch` on (a resumed run)."""
-    while True:
-        # DDP: a new order each epoch, the same on every rank (without it: epoch 0's, always).
-        sampler.set_epoch(epoch)
-        for x, y in itertools.islice(loader, skip, per_epoch):
-            yield epoch, x, y
-        epoch += 1
-        skip = 0
+    @torch.no_grad()
+    def evaluate(self):
+        # DDP: rank r scores windows r, r+W, r+2W, ...; a DistributedSampler would pad the
+        # shards with repeated windows to make them equal.
+        shard = range(self.ddp.rank, len(self.val_set), self.ddp.world_size)
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for x, y in DataLoader(self.val_set, self.args.batch_size, sampler=shard):
+            # DDP: the bare model: a forward through the wrapper may start a collective.
+            loss = self.bare(x.to(self.device), y.to(self.device))
+            total += loss.double() * len(y)
+        # DDP: add up every process's sums: each window counted once.
+        dist.all_reduce(total)
+        return total.item() / len(self.val_set)
 
+    def _save_checkpoint(self):
+        state = {
+            # DDP: the bare model's weights, without the wrapper's "module." prefix.
+            "model": self.bare.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": self.step // self.steps_per_epoch,
+            "global_batch": self.global_batch,
+            "world_size": self.ddp.world_size,
+            # A resume must cut the same windows; the config rebuilds the model.
+            "max_length": self.args.max_length,
+            "config": vars(self.bare.config),
+        }
+        # DDP: every process holds the same weights: rank 0 writes, the others wait.
+        save_checkpoint(state, os.path.join(self.args.checkpoint_dir, "last.pt"))
 
-def build(args, ddp, data):
-    """The model (from scratch, pretrained or resumed) in DDP, AdamW, GradScaler, the state."""
-    cuda = ddp.device.type == "cuda"
-    amp = pick_amp(args.amp, ddp.device)
-    fp16_without_cuda = amp == "fp16" and not cuda
-    bf16_emulated = (
-        amp == "bf16" and cuda and not torch.cuda.is_bf16_supported(including_emulation=False)
-    )
-    if fp16_without_cuda or bf16_emulated:
-        fail(f"--amp {amp} is not for this device: use --amp auto or off", rank0_only=True)
-    # The same seed everywhere: the same initial weights (DDP broadcasts rank 0's as well).
-    set_seed(args.seed)
-    model = gpt2_model.GPT(gpt2_model.GPTConfig(**data["config"]))
-    if data["init"] and not data["resume"]:
-        # DDP: every rank loads the weights before the wrap. Another node fetches its own copy.
-        local = data["init"]
-        if not os.path.isfile(local):
-            local = gpt2_model.pretrained(args.init_from)[0]
-        gpt2_model.load_hf_weights(model, local)
-    model.to(ddp.device)
-    optimizer = gpt2_model.adamw(model, args.lr)
-    scaler = torch.amp.GradScaler(ddp.device.type, enabled=amp == "fp16")
-    state = {"step": 0, "val_losses": []}
-    if data["resume"]:
-        # Every rank, before the DDP wrap; read on the CPU, copied into place.
-        state = load_checkpoint(
-            data["resume"], "cpu", model=model, optimizer=optimizer, scaler=scaler
-        )
-        print0(f"resume: {data['resume']} | step {state['step']} | world {state['world_size']}")
-    if ddp.world_size > 1:
-        device_ids = [ddp.device.index] if cuda else None
-        # DDP: all-reduce the gradients in buckets during backward; each .grad is a view into
-        # its bucket (gradient_as_bucket_view), not a second copy.
-        ddp_model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    else:
-        # One process has nothing to all-reduce: no wrapper, no hooks to pay for.
-        ddp_model = model
-    if args.compile:
-        # DDP: compile the wrapper: Dynamo splits the graph at the buckets, so each all-reduce
-        # still overlaps the backward.
-        ddp_model = torch.compile(ddp_model)
-    return model, ddp_model, optimizer, scaler, amp, state
-
-
-def train_step(ddp_model, optimizer, scaler, micro_batches, clip_grad, autocast):
-    """One optimizer step over the micro-batches; returns their loss (left on the device)."""
-    # no_sync exists on the DDP wrapper only: None when one process is not wrapped.
-    no_sync = getattr(ddp_model, "no_sync", None)
-    total = 0.0
-    for i, (x, y) in enumerate(micro_batches):
-        sync = nullcontext()
-        if no_sync is not None and i < len(micro_batches) - 1:
-            # DDP: all-reduce only after the last micro-batch; until then gradients add up here.
-            sync = no_sync()
-        with sync, autocast:
-            loss = ddp_model(x, y) / len(micro_batches)
-        scaler.scale(loss).backward()
-        total += loss.detach()
-    if clip_grad:
-        scaler.unscale_(optimizer)
-        # The gradients are all-reduced, so every rank clips by the same norm.
-        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), clip_grad)
-    scaler.step(optimizer)
-    scaler.update()
-    # DDP: zero in place, keeping the bucket views (None would make a new .grad, copied into
-    # the bucket, every step). One process has no views: None is cheaper there.
-    optimizer.zero_grad(set_to_none=no_sync is None)
-    return total
-
-
-@torch.no_grad()
-def evaluate(model, val_loader, ddp, autocast):
-    """The exact loss per token (sums all-reduced), on the bare model: no DDP hooks."""
-    model.eval()
-    totals = torch.zeros(2, device=ddp.device, dtype=torch.float64)
-    for x, y in val_loader:
-        with autocast:
-            loss = model(x.to(ddp.device), y.to(ddp.device))
-        totals[0] += loss.double() * y.numel()
-        totals[1] += y.numel()
-    # DDP: every rank's sums, added up.
-    dist.all_reduce(totals)
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
-def train(args, ddp, data):
-    """Train on this rank; returns the bare model and the results."""
-    model, ddp_model, optimizer, scaler, amp, state = build(args, ddp, data)
-    dtype = AMP_DTYPES.get(amp)
-    autocast = torch.autocast(ddp.device.type, dtype=dtype, enabled=dtype is not None)
-    max_length = data["max_length"]
-    accum_steps = data["accum_steps"]
-    global_batch = data["global_batch"]
-    train_set = gpt2_model.TokenWindows(data["train"], max_length)
-    train_loader, sampler, val_loader = build_loaders(
-        train_set,
-        gpt2_model.TokenWindows(data["val"], max_length),
-        ddp.rank,
-        ddp.world_size,
-        args.batch_size,
-        args.seed,
-        pin=ddp.device.type == "cuda",
-    )
-    # Steps per epoch follow from the global batch alone, never from the world size; so do the
-    # lr schedule (in optimizer steps) and the data position.
-    steps_per_epoch = len(train_set) // global_batch
-    schedule = args.epochs * steps_per_epoch
-    total = schedule
-    if args.max_steps:
-        total = min(schedule, args.max_steps)
-    step = state["step"]
-    val_losses = state["val_losses"]
-    world_batch = ddp.world_size * args.batch_size
-    epoch, skip = start_position(step, steps_per_epoch, global_batch, world_batch)
-    stream = batches(train_loader, sampler, steps_per_epoch * accum_steps, epoch, skip)
-    tokens_per_step = global_batch * max_length
-    params = sum(p.numel() for p in model.parameters())
-    print0(
-        f"start: text {data['source']} | init {args.init_from} | vocab {model.config.vocab_size} "
-        f"| model {params / 1e6:.1f}M params | world {ddp.world_size} | backend {ddp.backend} "
-        f"| device {ddp.device.type} | amp {amp} | compile {args.compile} | batch "
-        f"{args.batch_size}/rank x {accum_steps} accum x world {ddp.world_size} = {global_batch} "
-        f"windows of {max_length} = {tokens_per_step} tokens/step | steps {total}"
-    )
-    if step == 0:
-        val_losses.append([0, evaluate(model, val_loader, ddp, autocast)])
-        print0(f"step 0/{total} | val_loss {val_losses[-1][1]:.4f}")
-    t_start = time.perf_counter()
-    t_log = t_start
-    start = step
-    logged = step
-    loss_sum = torch.zeros((), device=ddp.device)
-    rate = 0.0
-    while step < total:
-        lr = gpt2_model.lr_at(step, args.lr, args.warmup_steps, schedule)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro_batches = []
-        for _ in range(accum_steps):
-            epoch, x, y = next(stream)
-            x = x.to(ddp.device, non_blocking=True)
-            y = y.to(ddp.device, non_blocking=True)
-            micro_batches.append((x, y))
-        loss_sum += train_step(
-            ddp_model, optimizer, scaler, micro_batches, args.clip_grad, autocast
-        )
-        step += 1
-        if step % args.log_every == 0 or step == total:
-            now = time.perf_counter()
-            # DDP: the loss of all ranks, for the log line only (gloo has no AVG: sum, divide).
-            dist.all_reduce(loss_sum)
-            loss = loss_sum.item() / (step - logged) / ddp.world_size
-            rate = (step - logged) * tokens_per_step / (now - t_log)
-            eta = (total - step) * (now - t_start) / (step - start)
-            line = f"epoch {epoch + 1} | step {step}/{total} | loss {loss:.4f} | lr {lr:.2e}"
-            line += f" | {rate:.0f} tokens/s"
-            if ddp.device.type == "cuda":
-                line += f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f}GiB"
-            print0(f"{line} | eta {eta:.0f}s")
-            t_log = now
-            logged = step
-            loss_sum = torch.zeros((), device=ddp.device)
-        if step % (args.save_every or steps_per_epoch) == 0 or step == total:
-            t_pause = time.perf_counter()
-            val_losses.append([step, evaluate(model, val_loader, ddp, autocast)])
-            print0(f"epoch {epoch + 1} | step {step}/{total} | val_loss {val_losses[-1][1]:.4f}")
-            checkpoint = {
-                # DDP: the bare model's weights, without the wrapper's 'module.' prefix.
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(),
-                "step": step,
-                "val_losses": val_losses,
-                "config": data["config"],
-                "tokenizer": data["tokenizer"],
-                # What a resumed run must match (global batch, max length) or may change.
-                "global_batch": global_batch,
-                "max_length": max_length,
-                "world_size": ddp.world_size,
-                "batch_size": args.batch_size,
-                "accum_steps": accum_steps,
-            }
-            # DDP: every rank calls (it ends in a barrier); rank 0 writes.
-            save_checkpoint(checkpoint, os.path.join(args.checkpoint_dir, CHECKPOINT))
-            # tokens/s counts training time only.
-            t_log += time.perf_counter() - t_pause
-    results = {
-        "steps": step,
-        "tokens_per_s": rate,
-        "val_losses": val_losses,
-        "time": time.perf_counter() - t_start,
-    }
-    return model, results
+    def train(self):
+        """Validate, then per epoch: train, validate, save. Returns the last validation loss."""
+        while True:
+            loss = self.evaluate()
+            print0(f"step {self.step}/{self.last_step} | val_loss {loss:.4f}")
+            if self.step >= self.last_step:
+                return loss
+            self._run_epoch(self.step // self.steps_per_epoch)
+            self._save_checkpoint()
 
 
 def worker(rank, world_size, args, data):
-    """One process. mp.spawn passes rank, world size and data; under torchrun (all None) the
-    environment says who this is, and rank 0 prepares the data."""
-    # DDP: join the process group.
-    ddp = setup(args.backend, rank=rank, world_size=world_size)
-    if data is None:
-        # torchrun: rank 0 prepares (or fails, and torchrun stops the others).
-        box = [None]
-        if ddp.is_main:
-            box = [prepare(args, ddp.world_size)]
-        # DDP: the others wait while rank 0 tokenizes, longer than a collective may.
-        long_barrier()
-        # DDP: every rank gets rank 0's tokens and decisions.
-        dist.broadcast_object_list(box, src=0)
-        data = box[0]
-    model, results = train(args, ddp, data)
-    # DDP: every rank leaves the group here, together. Nothing after this is collective, so
-    # rank 0 can export while the others exit (print0 no longer knows the rank: test is_main).
-    cleanup()
-    if not ddp.is_main:
-        return
-    if args.export_hf:
-        gpt2_model.export_hf(model, args.export_hf)
-    print(
-        f"done: text {data['source']} | tokenizer {data['tokenizer']} | world {ddp.world_size} "
-        f"| backend {ddp.backend} | device {ddp.device.type} | steps {results['steps']} "
-        f"| val_loss {results['val_losses'][-1][1]:.4f} | {results['tokens_per_s']:.0f} tokens/s "
-        f"| time {results['time']:.1f}s",
-        flush=True,
+    """One process: mp.spawn passes its rank and the world size (torchrun: None, see main)."""
+    # DDP: join the process group (torchrun: its environment says which process this is).
+    ddp = setup(rank=rank, world_size=world_size)
+    trainer = Trainer(args, ddp, data)
+    print0(
+        f"start: init {args.init_from} | world {ddp.world_size} | device {ddp.device.type} | amp "
+        f"{trainer.amp} | batch {args.batch_size}/micro-batch, {trainer.global_batch} global x "
+        f"{args.max_length} tokens | steps {trainer.step}->{trainer.last_step}"
     )
+    start = time.perf_counter()
+    loss = trainer.train()
+    # DDP: drop the wrapper, then leave the group, every rank together. Nothing after this is
+    # collective: rank 0 exports while the others exit (print0 no longer knows the rank).
+    del trainer.model, trainer.forward
+    cleanup()
+    if ddp.rank == 0:
+        if args.export_hf:
+            gpt2_model.export_hf(trainer.bare, args.export_hf)
+        seconds = time.perf_counter() - start
+        print0(f"done: steps {trainer.step} | val_loss {loss:.4f} | time {seconds:.1f}s")
 
 
-def spawn_workers(args):
-    """The mp.spawn launch: prepare once here, pick the port, start one worker per rank."""
-    # More processes than GPUs: setup() says so and runs them on the CPU.
+def main():
+    args = parse_args()
+    if "RANK" in os.environ:
+        # Started by torchrun: this process is one of its workers; it prepares its own data.
+        return worker(None, None, args, prepare(args, int(os.environ["WORLD_SIZE"])))
     nproc = args.nproc or torch.cuda.device_count() or 1
     data = prepare(args, nproc)
     # DDP: the workers meet at this address; mp.spawn starts processes on this machine only.
@@ -416,24 +287,14 @@ def spawn_workers(args):
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         # DDP: nproc processes run worker(rank, nproc, args, data); one failing stops the rest.
-        mp.spawn(worker, args=(nproc, args, data), nprocs=nproc, join=True)
-    except mp.ProcessRaisedException as e:
-        # A Python exception in a worker: its last line.
-        last_line = str(e).strip().splitlines()[-1]
-        fail(f"rank {e.error_index} failed: {last_line[:300]}", code=1)
-    except mp.ProcessExitedException as e:
-        if e.exit_code in (1, 2):
+        mp.spawn(worker, args=(nproc, args, data), nprocs=nproc)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        if getattr(e, "exit_code", None) in (1, 2):
             # It left through fail(): its line is printed already.
-            sys.exit(e.exit_code)
-        fail(f"rank {e.error_index} died ({e.signal_name})", code=1)
+            raise SystemExit(e.exit_code) from None
+        # A Python exception (its last line) or a signal, in one line.
+        fail(f"rank {e.error_index} failed: {str(e).strip().splitlines()[-1][:300]}", code=1)
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    if "RANK" in os.environ:
-        # Started by torchrun: this process is one of its workers.
-        if args.nproc:
-            fail("--nproc is for mp.spawn: under torchrun, --nproc_per_node decides")
-        worker(None, None, args, None)
-    else:
-        spawn_workers(args)
+    main()

@@ -169,7 +169,7 @@ def adamw(model, lr):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
-def lr_at(step, peak_lr, warmup_steps, total_steps):
+def lr_at(step, peak_lr, total_steps, warmup_steps=10):
     """GPT-2's schedule: linear warm-up to peak_lr, then cosine decay to peak_lr / 10 at the last
     step. Counted in optimizer steps, so it is the same on any number of ranks."""
     if step < warmup_steps:
@@ -203,6 +203,8 @@ def load_tokenizer(name):
 
 def encode_text(path, enc):
     """The tokens of a UTF-8 text file: (training, validation), the validation set its last 10%."""
+    if not os.path.isfile(path):
+        fail(f"--text {path} is not a file")
     with open(path, encoding="utf-8", errors="replace") as f:
         tokens = torch.tensor(enc.encode_ordinary(f.read()), dtype=torch.long)
     split = len(tokens) - len(tokens) // 10
