@@ -1,225 +1,116 @@
-"""Lesson 6: does data parallelism pay on YOUR machine? Measure it.
+"""Lesson 6: does DDP pay on this machine? Measure it, and see where a step's time goes.
 
-    python ddp_benchmark.py --max-procs 2 --threads 1 --plot scaling.png   # CPU: 1 -> 2 processes
-    python ddp_benchmark.py --model resnet50 --bucket-cap-mb 25 1 5 100 --json bench.json
-    python ddp_benchmark.py --model resnet18 --comm-hook none bf16 powersgd --bucket-cap-mb 25 5
+    python ddp_benchmark.py --max-procs 2 --threads 1                # CPU: 1, then 2 processes
+    python ddp_benchmark.py --model resnet50 --bucket-cap-mb 25 5 100 --json bench.json  # GPUs
 
 Run it with plain python: it starts one process group per world size 1, 2, 4, ... (mp.spawn). At
-each world size it times the same training step (forward, backward, AdamW) on one synthetic batch
-kept on the device, so it measures the model and DDP, not a data pipeline. Three variants:
+each world size it times one training step (forward, backward, AdamW) on a synthetic batch that
+stays on the device (the model and DDP, not a data pipeline), three ways:
 
     unwrapped     the bare model, no DDP: the compute
     ddp_no_sync   DDP under no_sync(): the wrapper's own cost, no all-reduce
-    ddp           full DDP, once per --comm-hook x --bucket-cap-mb
+    ddp           full DDP, once per --bucket-cap-mb
 
-Then it times dist.all_reduce alone over message sizes. The differences between the variants say
-where a step's time goes. benchmark_extras.py holds the models and turns the timings into the
-records it prints and plots; how to read them: docs/benchmark.md.
+in 5 interleaved rounds (A B C, C B A, ...): a busy spell of the machine slows every variant
+alike, and a difference the rounds disagree on is noise. Then it times dist.all_reduce alone, from
+4 KiB up to one step's gradients. benchmark_extras.py: the models and the report.
 """
 
-import argparse
+import contextlib
 import copy
+import importlib.util
 import json
 import os
-import sys
 import tempfile
 import time
-from contextlib import nullcontext
-from unittest import mock
+from itertools import pairwise
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmark_extras import (
-    build_records,
-    describe_machine,
-    model_and_batch,
-    print_report,
-    write_plot,
-)
-from ddp_common import cleanup, cpu_count, fail, pick_device, setup
-from ddp_extras import free_port, pick_amp, powersgd_hook
-
-HOOKS = ("none", "fp16", "bf16", "powersgd")
-# Samples per rank when --batch-size is not given.
-DEFAULT_BATCH = {"mnist": 64, "resnet18": 32, "resnet50": 32}
-# --quick: a tiny run that checks the tool works (flags given explicitly still win).
-QUICK = dict(
-    warmup=1, steps=4, allreduce_iters=3, allreduce_max_mb=1 / 16, image_size=32, batch_size=8
-)
+from benchmark_extras import ROUNDS, describe_machine, model_and_batch, report
+from ddp_common import Parser, cleanup, fail, free_port, pick_device, positive_int, setup
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # A mistyped flag: one `error:` line and exit 2, no usage dump.
-        fail(f"{message} (see python ddp_benchmark.py --help)")
+def megabytes(text):
+    """argparse type: a size in MiB, 0 or more (0: one bucket per gradient tensor)."""
+    if float(text) < 0:
+        raise ValueError(text)
+    return float(text)
 
 
-def parse_args(argv=None):
-    # allow_abbrev=False: --quick is spotted in argv by its full name below.
-    parser = Parser(
-        description="Lesson 6: DDP scaling, step time breakdown, all-reduce bandwidth.",
-        allow_abbrev=False,
-    )
-    parser.add_argument(
-        "--model", default="mnist", choices=list(DEFAULT_BATCH), help="default mnist"
-    )
-    parser.add_argument(
-        "--max-procs", type=int, default=0, help="largest world size (GPUs, else cores)"
-    )
-    parser.add_argument("--strong", action="store_true", help="fixed GLOBAL batch (default: weak)")
-    parser.add_argument("--batch-size", type=int, help="per rank; global with --strong (by model)")
-    parser.add_argument(
-        "--image-size", type=int, default=224, help="resnet input side (default 224)"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=5, help="untimed steps per variant (default 5)"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=30, help="timed steps per variant (default 30)"
-    )
-    parser.add_argument(
-        "--bucket-cap-mb", type=float, nargs="+", default=[25.0], help="e.g. 25 1 100"
-    )
-    parser.add_argument(
-        "--comm-hook", nargs="+", default=["none"], choices=HOOKS, help="DDP hook(s)"
-    )
-    parser.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD rank (default 2)")
-    parser.add_argument("--powersgd-warmup", type=int, default=2, help="plain steps first (min 2)")
-    parser.add_argument(
-        "--grad-as-bucket-view", action="store_true", help="gradients in the buckets"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=0, help="CPU threads per rank (cores / world)"
-    )
-    parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
-    parser.add_argument(
-        "--allreduce-max-mb", type=float, default=64.0, help="largest all-reduce, MiB"
-    )
-    parser.add_argument(
-        "--allreduce-iters", type=int, default=20, help="timed all-reduces per size"
-    )
+def parse_args():
+    parser = Parser(description="Lesson 6: DDP scaling, where a step's time goes, all-reduce.")
+    parser.add_argument("--model", default="mnist", choices=["mnist", "resnet18", "resnet50"])
+    parser.add_argument("--max-procs", type=positive_int, help="default: the GPUs, else the cores")
+    parser.add_argument("--strong", action="store_true", help="split one global batch")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="global if --strong")
+    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps per variant")
+    parser.add_argument("--steps", type=positive_int, default=30, help="timed steps per variant")
+    parser.add_argument("--bucket-cap-mb", type=megabytes, nargs="+", default=[25.0])
+    parser.add_argument("--threads", type=positive_int, help="per rank (default: cores / world)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    parser.add_argument("--seed", type=int, default=0, help="seed for the weights and the batches")
-    parser.add_argument("--json", default="", metavar="FILE", help="also write every record here")
-    parser.add_argument("--plot", default="", metavar="FILE.png", help="scaling plot (matplotlib)")
-    parser.add_argument("--quick", action="store_true", help=f"a tiny run: {QUICK}")
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--quick" in argv:
-        parser.set_defaults(**QUICK)
-    args = parser.parse_args(argv)
-    if args.batch_size is None:
-        args.batch_size = DEFAULT_BATCH[args.model]
-    # Each variant once, in the order given.
-    args.comm_hook = list(dict.fromkeys(args.comm_hook))
-    args.bucket_cap_mb = list(dict.fromkeys(args.bucket_cap_mb))
-    if args.batch_size < 1 or args.image_size < 1:
-        fail("--batch-size and --image-size must be at least 1")
-    if args.warmup < 1 or args.steps < 1 or args.allreduce_iters < 1:
-        fail("--warmup, --steps and --allreduce-iters must be at least 1")
-    if args.max_procs < 0 or args.threads < 0:
-        fail("--max-procs and --threads must be at least 0 (0: the default)")
-    if min(args.bucket_cap_mb) <= 0 or args.allreduce_max_mb <= 0:
-        fail("--bucket-cap-mb and --allreduce-max-mb must be > 0")
-    if args.powersgd_rank < 1:
-        fail("--powersgd-rank must be at least 1")
-    # DDP rebuilds its buckets after step 1; PowerSGD's per-bucket state must start after that.
-    if args.powersgd_warmup < 2:
-        fail("--powersgd-warmup must be at least 2")
+    parser.add_argument("--json", metavar="FILE", help="write every record here")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the scaling (matplotlib)")
+    args = parser.parse_args()
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        parser.error("it starts its own workers: run it with python, not torchrun or srun")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib")
+    if args.steps < ROUNDS:
+        parser.error(f"--steps must be at least {ROUNDS}: they are timed in {ROUNDS} rounds")
     if args.plot and not args.plot.endswith(".png"):
-        fail(f"--plot {args.plot} must name a .png file")
+        parser.error(f"--plot {args.plot} must name a .png file")
     return args
 
 
 def world_sizes(max_procs):
     """1, 2, 4, ... up to max_procs, and max_procs itself: 6 -> [1, 2, 4, 6]."""
-    sizes = [2**i for i in range(max_procs.bit_length())]
-    if sizes[-1] != max_procs:
-        sizes.append(max_procs)
-    return sizes
+    return sorted({2**i for i in range(max_procs.bit_length())} | {max_procs})
 
 
-def wrap(base, args, device, cap, hook="none", counting=False):
-    """A copy of the model in DDP with bucket size `cap` MiB and communication hook `hook`.
-    counting: hook "none" gets allreduce_hook, the Python twin of DDP's built-in C++ all-reduce
-    (same buckets, same fp32 sum), whose dist.all_reduce calls can be counted."""
-    device_ids = None
-    if device.type == "cuda":
-        device_ids = [device.index]
-    # DDP: all-reduce the gradients in buckets of `cap` MiB while backward runs.
-    model = DDP(
-        copy.deepcopy(base),
-        device_ids=device_ids,
-        bucket_cap_mb=cap,
-        gradient_as_bucket_view=args.grad_as_bucket_view,
-    )
-    if hook == "fp16":
-        # DDP: cast each bucket to 16 bits, all-reduce, cast back: half the bytes.
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif hook == "powersgd":
-        # DDP: send low-rank factors of each gradient matrix; what they miss stays on the rank.
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=args.powersgd_rank,
-            start_powerSGD_iter=args.powersgd_warmup,
-        )
-        model.register_comm_hook(state, powersgd_hook)
-    elif counting:
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
-    return model
+def wrap(base, device, cap):
+    """A copy of the model in DDP, its gradients all-reduced in buckets of `cap` MiB."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    # DDP: backward all-reduces the gradients bucket by bucket, while it runs.
+    return DDP(copy.deepcopy(base), device_ids=device_ids, bucket_cap_mb=cap)
 
 
-def make_step(model, batch, args, device, sync=True):
-    """One training step as a closure; sync=False runs it under DDP's no_sync() (no all-reduce)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    amp = pick_amp(args.amp, device)
-    dtype = torch.bfloat16
-    if amp == "fp16":
-        dtype = torch.float16
-    # fp16 needs loss scaling; with bf16 or off the scaler does nothing.
-    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-    # DDP: with gradient_as_bucket_view each .grad IS a view into DDP's bucket. Zero it in place:
-    # set_to_none drops the view, so every backward would allocate a fresh gradient and copy it
-    # into the bucket, the very copy (and memory) the option exists to save.
-    set_to_none = not getattr(model, "gradient_as_bucket_view", False)
-
-    def communication():
-        if sync:
-            return nullcontext()
-        # DDP: inside no_sync() backward leaves the gradients on this rank.
-        return model.no_sync()
+def make_step(model, batch, device, sync=True):
+    """One training step (forward, backward, AdamW) as a function; sync=False: under no_sync()."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    # bf16 autocast on GPUs that have it natively (fp32 elsewhere: no loss scaling needed).
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    x, y = batch
 
     def step():
-        with communication():
-            with torch.autocast(device.type, dtype, enabled=amp != "off"):
-                loss = F.cross_entropy(model(batch[0]), batch[1])
+        # DDP: inside no_sync() backward leaves the gradients on this rank: no all-reduce.
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(x), y)
             # DDP: each bucket is all-reduced as soon as backward has filled it.
-            scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=set_to_none)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
 def slowest_rank(values, device):
-    """Element-wise maximum over ranks: a data-parallel step is as slow as its slowest rank."""
+    """Element-wise maximum over the ranks: a data-parallel step is as slow as its slowest rank."""
     slowest = torch.tensor(values, dtype=torch.float64, device=device)
+    # DDP: every rank sends its list; every rank gets the maximum of each entry.
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
 
 
 def time_variants(variants, args, device):
-    """Seconds per step of each variant (slowest rank), after a warm-up, in interleaved rounds
-    (A B C A B C ...) so that a slow spell of the machine hits all alike."""
+    """Seconds per step of each variant (slowest rank), after --warmup untimed steps, timed in
+    ROUNDS interleaved rounds so that a slow spell of the machine hits every variant alike."""
     on_gpu = device.type == "cuda"
 
     def mark():
@@ -228,110 +119,83 @@ def time_variants(variants, args, device):
             return torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
         return time.perf_counter()
 
-    # Untimed: DDP's bucket rebuild, cuDNN's autotuning, PowerSGD's plain steps.
+    # Untimed: DDP's bucket rebuild after the first step, cuDNN's autotuning, warm caches.
     for step in variants.values():
-        for _ in range(max(args.warmup, args.powersgd_warmup)):
+        for _ in range(args.warmup):
             step()
     times = {name: [] for name in variants}
-    for chunk in np.array_split(np.arange(args.steps), min(5, args.steps)):
-        for name, step in variants.items():
-            # Start together: the unwrapped variant never synchronises the ranks by itself.
+    names = list(variants)
+    for i, chunk in enumerate(np.array_split(range(args.steps), ROUNDS)):
+        # Every other round backwards (A B C, C B A, ...): no variant is always the first.
+        for name in names if i % 2 == 0 else names[::-1]:
+            # DDP: start together; the unwrapped variant never waits for the other ranks itself.
             dist.barrier()
             marks = [mark()]
             for _ in chunk:
-                step()
+                variants[name]()
                 marks.append(mark())
             if on_gpu:
                 torch.cuda.synchronize()
-            for start, end in zip(marks[:-1], marks[1:], strict=True):
-                if on_gpu:
-                    times[name].append(start.elapsed_time(end) / 1000)
-                else:
-                    times[name].append(end - start)
+                times[name] += [a.elapsed_time(b) / 1000 for a, b in pairwise(marks)]
+            else:
+                times[name] += [b - a for a, b in pairwise(marks)]
     return {name: slowest_rank(t, device) for name, t in times.items()}
 
 
-def time_allreduce(args, device):
-    """(bytes, seconds) per float32 sum all-reduce, slowest rank: 4 KiB, 16 KiB, ... up to max."""
-    top = int(args.allreduce_max_mb * 2**20)
-    sizes = [4096 * 4**i for i in range(16) if 4096 * 4**i <= top]
-    if not sizes:
-        sizes = [max(4, top // 4 * 4)]
-    rows = []
+def time_allreduce(grad_bytes, args, device):
+    """(bytes, seconds) of one float32 sum all-reduce (slowest rank): 4 KiB, 16 KiB, ... and one
+    step's gradients in a single message."""
+    sizes = [4096 * 4**i for i in range(16) if 4096 * 4**i < grad_bytes] + [grad_bytes]
+    seconds = []
     for nbytes in sizes:
         # Zeros: the sums never overflow.
         buffer = torch.zeros(nbytes // 4, device=device)
-        for _ in range(3):
-            dist.all_reduce(buffer)
+        for timed in (args.warmup, args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(timed):
+                # DDP: what DDP does to every bucket: each rank's tensor becomes the sum over ranks.
+                dist.all_reduce(buffer)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.allreduce_iters):
-            dist.all_reduce(buffer)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - start) / args.allreduce_iters
-        rows.append((nbytes, slowest_rank([seconds], device)[0]))
-    return rows
-
-
-def count_comm_bytes(step):
-    """Bytes this rank hands to dist.all_reduce in one step (the hooks call it from Python)."""
-    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as spy:
-        step()
-    return sum(call.args[0].nbytes for call in spy.call_args_list)
+        seconds.append((time.perf_counter() - start) / args.steps)
+    return list(zip(sizes, slowest_rank(seconds, device), strict=True))
 
 
 def worker(rank, world_size, args, threads, out_path):
-    """One rank of one world size: count and time every variant; rank 0 writes the raw results."""
-    # DDP: join this world size's process group (a fresh one per point of the sweep).
-    ddp = setup(args.backend, rank=rank, world_size=world_size)
-    try:
-        device = ddp.device
-        # CPU: the whole step runs on this many threads.
-        torch.set_num_threads(threads)
-        torch.backends.cudnn.benchmark = True
-        per_rank = args.batch_size
-        if args.strong:
-            per_rank = args.batch_size // world_size
-        base, batch = model_and_batch(args, per_rank, device, rank)
-        unwrapped = copy.deepcopy(base)
-        no_sync = wrap(base, args, device, args.bucket_cap_mb[0])
-        variants = {
-            "unwrapped": make_step(unwrapped, batch, args, device),
-            "no_sync": make_step(no_sync, batch, args, device, sync=False),
-        }
-        comm = {}
-        for hook in args.comm_hook:
-            for cap in args.bucket_cap_mb:
-                name = f"ddp {cap:g} {hook}"
-                variants[name] = make_step(wrap(base, args, device, cap, hook), batch, args, device)
-                # An untimed twin, stepped past DDP's bucket rebuild and PowerSGD's plain steps.
-                twin = wrap(base, args, device, cap, hook, counting=True)
-                count = make_step(twin, batch, args, device)
-                for _ in range(args.powersgd_warmup):
-                    count()
-                comm[name] = count_comm_bytes(count)
-        raw = {
-            "times": time_variants(variants, args, device),
-            "comm": comm,
-            "allreduce": [],
-            "batch_per_rank": per_rank,
-            "threads": torch.get_num_threads(),
-            "params": sum(p.numel() for p in base.parameters()),
-        }
-        if world_size > 1:
-            raw["allreduce"] = time_allreduce(args, device)
-        if ddp.is_main:
-            with open(out_path, "w") as f:
-                json.dump(raw, f)
-    finally:
-        cleanup()
+    """One rank at one world size: time every variant and the all-reduce; rank 0 writes them."""
+    # DDP: join this world size's process group (a new one for each point of the sweep).
+    device = setup(args.backend, rank=rank, world_size=world_size).device
+    torch.set_num_threads(threads)
+    torch.backends.cudnn.benchmark = True
+    per_rank = args.batch_size // world_size if args.strong else args.batch_size
+    base, batch = model_and_batch(args.model, per_rank, device, rank)
+    caps = args.bucket_cap_mb
+    models = {"unwrapped": copy.deepcopy(base), "ddp_no_sync": wrap(base, device, caps[0])}
+    models.update({f"ddp {cap:g}": wrap(base, device, cap) for cap in caps})
+    variants = {
+        name: make_step(model, batch, device, sync=name != "ddp_no_sync")
+        for name, model in models.items()
+    }
+    grad_bytes = 4 * sum(p.numel() for p in base.parameters())
+    raw = {
+        "times": time_variants(variants, args, device),
+        "allreduce": time_allreduce(grad_bytes, args, device) if world_size > 1 else [],
+        "batch_per_rank": per_rank,
+        "threads": torch.get_num_threads(),
+    }
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(raw, f)
+    # DDP: drop the wrappers, then leave the process group.
+    del models, variants
+    cleanup()
 
 
 def run_point(args, world_size, threads):
-    """world_size workers under mp.spawn on a fresh free port; returns rank 0's raw results."""
+    """world_size workers under mp.spawn, meeting on a free port; rank 0's raw results."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "point.json")
@@ -344,37 +208,19 @@ def run_point(args, world_size, threads):
             return json.load(f)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
-        fail("ddp_benchmark.py starts its own workers: run it with python, not torchrun or srun")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            fail("--plot needs matplotlib: pip install matplotlib")
-    # GPUs if there is one (one process per GPU), else CPU processes on gloo.
+def main():
+    args = parse_args()
+    started = time.perf_counter()
+    # GPUs where there are any (one process per GPU), else CPU processes on gloo.
     device, args.backend = pick_device(0, 1, args.backend)
-    cores = cpu_count()
-    slots = cores
-    if device.type == "cuda":
-        slots = torch.cuda.device_count()
-    if device.type == "cuda" and args.max_procs > slots:
-        fail(f"--max-procs {args.max_procs} but {slots} GPU(s) are visible: one process per GPU")
-    largest = args.max_procs
-    if largest == 0:
-        largest = slots
-    sizes = world_sizes(largest)
+    machine = describe_machine(device, args.backend)
+    slots = torch.cuda.device_count() if device.type == "cuda" else machine["cores"]
+    if device.type == "cuda" and (args.max_procs or 0) > slots:
+        fail(f"--max-procs {args.max_procs} but {slots} GPU(s): one process per GPU")
+    sizes = world_sizes(args.max_procs or slots)
     if args.strong and any(args.batch_size % n for n in sizes):
-        fail(
-            f"--strong splits the global batch {args.batch_size} over world sizes {sizes}: "
-            "give a --batch-size divisible by each of them"
-        )
-    machine = describe_machine(device, args.backend, cores, slots)
-    mode = "weak: batch/rank"
-    if args.strong:
-        mode = "strong: global batch"
+        fail(f"--strong: give a --batch-size that world sizes {sizes} all divide")
+    mode = "strong: global batch" if args.strong else "weak: batch/rank"
     print(
         f"start: model {args.model} | world sizes {sizes} | {mode} {args.batch_size} | "
         f"{machine['name']}",
@@ -382,31 +228,14 @@ def main(argv=None):
     )
     points = {}
     for n in sizes:
-        threads = args.threads
-        if threads == 0:
-            # CPU: by default each rank gets cores / world size threads.
-            threads = max(1, cores // n)
+        # CPU: by default each rank gets cores / world size threads.
+        threads = args.threads or max(1, machine["cores"] // n)
         points[n] = run_point(args, n, threads)
-    scaling, breakdown, allreduce = build_records(args, machine, points)
-    print_report(machine, scaling, breakdown, allreduce)
-    if args.json:
-        records = {
-            "machine": machine,
-            "config": vars(args),
-            "scaling": scaling,
-            "breakdown": breakdown,
-            "allreduce": allreduce,
-        }
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.plot:
-        write_plot(args.plot, args, machine, scaling)
-    last = scaling[-1]
+    last = report(args, machine, points)[-1]
     print(
-        f"done: model {args.model} | world sizes {sizes} | backend {args.backend} | "
-        f"device {device.type} | samples_per_s {last['samples_per_s']:.0f} at world size "
-        f"{sizes[-1]} | efficiency {last['efficiency']:.1%} | "
-        f"time {time.perf_counter() - t_start:.1f}s"
+        f"done: model {args.model} | world sizes {sizes} | backend {args.backend} | device "
+        f"{device.type} | samples_per_s {last['samples_per_s']:.0f} at world size {sizes[-1]} | "
+        f"efficiency {last['efficiency']:.1%} | time {time.perf_counter() - started:.1f}s"
     )
 
 

@@ -15,7 +15,6 @@ each program's own steady-state rate (steps after the first --warmup) is kept, t
 medians.
 """
 
-import argparse
 import os
 import platform
 import re
@@ -29,8 +28,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ddp_common import cpu_count, fail  # noqa: E402
-from ddp_extras import free_port  # noqa: E402
+from ddp_common import Parser, fail, free_port, positive_int  # noqa: E402
 
 NANOGPT_URL, NANOGPT_COMMIT = (
     "https://github.com/karpathy/nanoGPT",
@@ -67,58 +65,36 @@ NANOGPT_CPU_PATCH = [
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3, help="A/B pairs per comparison (default 3)")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=positive_int, default=3, help="A/B pairs per comparison")
     parser.add_argument(
-        "--procs",
-        type=int,
-        nargs="+",
-        default=[1, 2],
-        help="world sizes for the GPT comparison (default 1 2)",
+        "--procs", type=positive_int, nargs="+", default=[1, 2], help="world sizes, GPT pair"
     )
     parser.add_argument("--gpt-preset", default="tiny", choices=list(GPT_PRESETS))
+    parser.add_argument("--gpt-steps", type=positive_int, default=40, help="steps per GPT run")
+    parser.add_argument("--cifar-procs", type=positive_int, default=2, help="world size, CIFAR")
+    parser.add_argument("--cifar-steps", type=positive_int, default=40, help="steps per CIFAR run")
     parser.add_argument(
-        "--gpt-steps", type=int, default=40, help="optimizer steps per GPT run (default 40)"
+        "--ddp1-steps", type=positive_int, default=30, help="timed steps, the world-size-1 check"
     )
-    parser.add_argument(
-        "--cifar-procs", type=int, default=2, help="world size for the CIFAR comparison (default 2)"
-    )
-    parser.add_argument(
-        "--cifar-steps", type=int, default=40, help="optimizer steps per CIFAR run (default 40)"
-    )
-    parser.add_argument(
-        "--ddp1-steps",
-        type=int,
-        default=30,
-        help="timed steps per model for the world-size-1 check (default 30)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=10,
-        help="first steps of every run left out of its rate (default 10)",
-    )
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of a rate")
     parser.add_argument("--only", choices=["gpt", "cifar", "ddp1"], help="run one comparison")
+    parser.add_argument("--nanogpt", metavar="DIR", help="a nanoGPT checkout (default: clone it)")
     parser.add_argument(
-        "--nanogpt",
-        metavar="DIR",
-        help="a nanoGPT checkout to use (default: git clone into --work)",
-    )
-    parser.add_argument(
-        "--work",
-        default=os.path.join(ROOT, "bench", ".work"),
-        help="scratch: clone, data, checkpoints",
+        "--work", default=os.path.join(ROOT, "bench", ".work"), help="scratch: clone, data, runs"
     )
     args = parser.parse_args()
-    counts = [args.pairs, args.ddp1_steps, *args.procs]
     # Each run needs at least one timed step after its warm-up steps.
-    timed_steps = [args.gpt_steps - args.warmup, args.cifar_steps - args.warmup]
-    if min(counts + timed_steps) < 1:
-        fail(
-            "--pairs, --procs and --ddp1-steps must be >= 1, "
-            "and --gpt/cifar-steps more than --warmup"
-        )
+    if not 0 <= args.warmup < min(args.gpt_steps, args.cifar_steps):
+        parser.error("--warmup must be 0 or more, and less than --gpt-steps and --cifar-steps")
     return args
+
+
+def cpu_count():
+    """Cores this process may use: its affinity (Slurm, taskset) on Linux; all of them elsewhere."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def machine():
@@ -153,14 +129,9 @@ def run(cmd, cwd=ROOT, env=None, timeout=1800):
     if r.returncode:
         tail = " / ".join((r.stdout + r.stderr).strip().splitlines()[-3:])
         fail(f"{' '.join(map(str, cmd[:4]))}... exited {r.returncode}: {tail[-500:]}", 1)
-    if cmd[0] == sys.executable:
-        program = os.path.basename(str(cmd[1]))
-    else:
-        program = os.path.basename(str(cmd[0]))
-    print(
-        f"  ran {program} in {time.perf_counter() - t:.0f}s",
-        flush=True,
-    )
+    # The program: the first .py on the command line (after python, torchrun's flags).
+    program = next(os.path.basename(str(c)) for c in cmd if str(c).endswith(".py"))
+    print(f"  ran {program} in {time.perf_counter() - t:.0f}s", flush=True)
     return r.stdout + r.stderr
 
 
@@ -230,7 +201,7 @@ def get_nanogpt(args):
 def gpt_text(args, nanogpt):
     """The course's own text, tokenized with GPT-2's BPE: a text file for ours, .bin files for
     nanoGPT."""
-    import tiktoken
+    from gpt2_model import load_tokenizer
 
     text = "\n".join(
         open(os.path.join(d, f), encoding="utf-8").read()
@@ -241,7 +212,7 @@ def gpt_text(args, nanogpt):
     path = os.path.join(args.work, "course.txt")
     os.makedirs(args.work, exist_ok=True)
     open(path, "w", encoding="utf-8").write(text)
-    tokens = np.array(tiktoken.get_encoding("gpt2").encode_ordinary(text), dtype=np.uint16)
+    tokens = np.array(load_tokenizer("gpt2").encode_ordinary(text), dtype=np.uint16)
     data = os.path.join(nanogpt, "data", "ddpcourse")
     os.makedirs(data, exist_ok=True)
     tokens[: len(tokens) * 9 // 10].tofile(os.path.join(data, "train.bin"))
@@ -249,47 +220,37 @@ def gpt_text(args, nanogpt):
     return path
 
 
-def gpt_pair(args, n, text, nanogpt, cuda):
-    """One run of each: lesson 5 and nanoGPT on the same model, batch, steps and world size."""
+def gpt2_ddp_command(args, n, text, cuda):
+    """Lesson 5 on the GPT-2 preset, 8 windows per rank, --gpt-steps steps, n processes."""
     cfg = GPT_PRESETS[args.gpt_preset]
+    flags = {
+        "--nproc": n,
+        "--text": text,
+        "--preset": args.gpt_preset,
+        "--max-length": cfg["block_size"],
+        "--batch-size": 8,
+        "--max-steps": args.gpt_steps,
+        "--log-every": 5,
+        "--epochs": 1000,
+        "--checkpoint-dir": os.path.join(args.work, "ck5"),
+    }
+    compile_ = ["--compile"] if cuda else []
+    return [sys.executable, "gpt2_ddp.py", *(x for f in flags.items() for x in f), *compile_]
+
+
+def nanogpt_command(args, n, cuda):
+    """nanoGPT's train.py (CPU-patched) on the same work; DDP under torchrun only."""
+    launch = [sys.executable]
+    if n > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
     steps = args.gpt_steps
-    threads = max(1, cpu_count() // n)
-    ours = [
-        sys.executable,
-        "gpt2_ddp.py",
-        "--nproc",
-        n,
-        "--text",
-        text,
-        "--preset",
-        args.gpt_preset,
-        "--max-length",
-        cfg["block_size"],
-        "--batch-size",
-        8,
-        "--max-steps",
-        steps,
-        "--log-every",
-        5,
-        "--epochs",
-        1000,
-        "--save-every",
-        10**6,
-        "--checkpoint-dir",
-        os.path.join(args.work, "ck5"),
-    ]
-    # nanoGPT runs DDP under torchrun only.
-    if n == 1:
-        launch = [sys.executable]
-    else:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        launch.append(f"--nproc_per_node={n}")
-    theirs = launch + [
+    return launch + [
         "train_cpu.py",
         "--dataset=ddpcourse",
         f"--out_dir={os.path.join(args.work, 'nanogpt-out')}",
-        *(f"--{k}={v}" for k, v in cfg.items()),
+        *(f"--{k}={v}" for k, v in GPT_PRESETS[args.gpt_preset].items()),
         "--batch_size=8",
+        # nanoGPT divides its accumulation steps by the world size: 8 windows per rank.
         f"--gradient_accumulation_steps={n}",
         "--bias=True",
         "--dropout=0.0",
@@ -310,24 +271,27 @@ def gpt_pair(args, n, text, nanogpt, cuda):
         f"--compile={cuda}",
         f"--backend={'nccl' if cuda else 'gloo'}",
     ]
-    if cuda:
-        ours.append("--compile")
-    env = {"OMP_NUM_THREADS": str(threads), "MASTER_PORT": str(free_port())}
 
-    def nanogpt_rate(out):
-        per_iter = int(
-            re.search(r"tokens per iteration will be: ([\d,]+)", out)[1].replace(",", "")
-        )
-        dts = [
-            float(m[2])
-            for m in re.finditer(r"iter (\d+): loss \S+, time ([\d.]+)ms", out)
-            if int(m[1]) > args.warmup
-        ]
-        return per_iter * len(dts) / (sum(dts) / 1000)
 
+def nanogpt_rate(out, warmup):
+    """nanoGPT's tokens/s: tokens per iteration over its per-iteration times after `warmup`."""
+    per_iter = int(re.search(r"tokens per iteration will be: ([\d,]+)", out)[1].replace(",", ""))
+    dts = [
+        float(m[2])
+        for m in re.finditer(r"iter (\d+): loss \S+, time ([\d.]+)ms", out)
+        if int(m[1]) > warmup
+    ]
+    return per_iter * len(dts) / (sum(dts) / 1000)
+
+
+def gpt_pair(args, n, text, nanogpt, cuda):
+    """One run of each: lesson 5 and nanoGPT on the same model, batch, steps and world size."""
+    env = {"OMP_NUM_THREADS": str(max(1, cpu_count() // n)), "MASTER_PORT": str(free_port())}
+    ours = gpt2_ddp_command(args, n, text, cuda)
+    theirs = nanogpt_command(args, n, cuda)
     return (
         lambda: interval_rate(run(ours, env=env), "tokens/s", args.warmup),
-        lambda: nanogpt_rate(run(theirs, cwd=nanogpt, env=env)),
+        lambda: nanogpt_rate(run(theirs, cwd=nanogpt, env=env), args.warmup),
     )
 
 
@@ -393,7 +357,6 @@ def ddp1(args):
     wrapped = DDP(
         build_model("resnet18").to(device, memory_format=torch.channels_last),
         device_ids=[0] if device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
     )
     x = torch.randn(32, 3, 32, 32, device=device).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (32,), device=device)

@@ -85,7 +85,7 @@ class StepClock(L.Callback):
         self.times.append(time.perf_counter())
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -100,19 +100,29 @@ def main():
     p.add_argument(
         "--epochs", type=int, default=30, help="the lr schedule's length, as in the lesson"
     )
-    args = p.parse_args()
-    cuda = torch.cuda.is_available()
+    return p.parse_args()
+
+
+def training_loader(args, cuda):
+    """The lesson's synthetic training images (10% held out, as it does), augmented."""
     (x, y), _ = synthetic_cifar(0, args.subset, 1)
-    n_train = len(y) - len(y) // 10  # the lesson holds 10% out for validation
-    loader = DataLoader(
+    n_train = len(y) - len(y) // 10
+    # As the lesson: DataLoader workers on GPUs only.
+    return DataLoader(
         Images(x[:n_train], y[:n_train]),
         args.batch_size,
         shuffle=True,
         drop_last=True,
         num_workers=4 if cuda else 0,
         pin_memory=cuda,
-    )  # as the lesson: workers on GPUs only
-    steps_per_epoch = n_train // args.devices // args.batch_size
+    )
+
+
+def main():
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    loader = training_loader(args, cuda)
+    steps_per_epoch = len(loader.dataset) // args.devices // args.batch_size
     # The lesson's rule: --lr 0.1 for a global batch of 256, scaled linearly (SGD).
     lr = 0.1 * args.batch_size * args.devices / 256
     model = Classifier(lr, steps_per_epoch, args.epochs * steps_per_epoch)
@@ -131,8 +141,7 @@ def main():
     )
     trainer.fit(model, loader)
     if trainer.global_rank == 0:
-        times = clock.times
-        warmup = args.warmup_steps
+        times, warmup = clock.times, args.warmup_steps
         timed_steps = len(times) - warmup
         rate = timed_steps * args.batch_size * trainer.world_size / (times[-1] - times[warmup - 1])
         print(

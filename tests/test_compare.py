@@ -1,9 +1,13 @@
 """Speed work must not change the maths: lesson 5's chunked loss (gpt2_model.LMHeadLoss) is
 F.cross_entropy, value and gradients; bench/compare.py measures what it says (parsers, MFU count,
-errors) and, where Lightning and a nanoGPT checkout are present, runs end to end."""
+errors) and runs each comparison end to end where what it needs is there: Lightning for the
+CIFAR pair, a nanoGPT checkout and GPT-2's BPE files for the GPT pair (neither is in CI: each
+test says so in its skip reason); the world-size-1 check runs in the suite as the README's
+command."""
 
 import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -131,39 +135,43 @@ def test_bad_nanogpt_dir_is_one_error_line(tmp_path):
 
 
 NANOGPT = os.environ.get("NANOGPT_DIR", "")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not (
-        importlib.util.find_spec("lightning") and os.path.isfile(os.path.join(NANOGPT, "train.py"))
-    ),
-    reason="needs lightning installed and NANOGPT_DIR set to a nanoGPT checkout (no network in CI)",
+HAS_NANOGPT = os.path.isfile(os.path.join(NANOGPT, "train.py"))
+NO_NANOGPT = (
+    "the GPT-2 comparison needs a nanoGPT checkout at 3adf61e in NANOGPT_DIR and GPT-2's BPE "
+    "files in TIKTOKEN_CACHE_DIR (tests/gpt2_bpe_cache.sh): this suite runs without network "
+    "access, so compare.py can neither git clone nanoGPT nor download the BPE files"
 )
-def test_compare_runs_end_to_end(tmp_path):
-    result = run_python(
-        "bench/compare.py",
-        "--pairs",
-        "1",
-        "--procs",
-        "2",
-        "--gpt-steps",
-        "12",
-        "--cifar-steps",
-        "12",
-        "--warmup",
-        "6",
-        "--nanogpt",
-        NANOGPT,
-        "--work",
-        tmp_path,
-        timeout=900,
-    )
+NO_LIGHTNING = (
+    "the CIFAR comparison needs Lightning, which requirements.txt leaves out: "
+    f"pip install {compare.LIGHTNING} (compare.py would install it into this Python itself)"
+)
+
+
+def rows_of(result, job):
+    """The table rows for `job` and their ours/theirs ratio: each must be a positive number."""
+    rows = [line for line in result.stdout.splitlines() if line.startswith(job)]
+    assert rows, result.stdout
+    for row in rows:
+        # ... ours theirs unit ours/theirs (e.g. 1.03x) per-pair ratios... vs
+        ratio = next(word for word in row.split() if re.fullmatch(r"\d+\.\d+x", word))
+        assert float(ratio[:-1]) > 0, row
+    return rows
+
+
+@pytest.mark.skipif(not (HAS_NANOGPT and os.environ.get("TIKTOKEN_CACHE_DIR")), reason=NO_NANOGPT)
+def test_lesson_5_against_nanogpt_end_to_end(tmp_path):
+    """gpt2_ddp.py and nanoGPT's train.py on the same GPT-2, 2 processes, one pair."""
+    flags = ["--only", "gpt", "--pairs", "1", "--procs", "2", "--gpt-steps", "12"]
+    flags += ["--warmup", "6", "--nanogpt", NANOGPT, "--work", tmp_path]
+    result = run_python("bench/compare.py", *flags, timeout=600)
     assert_ok(result)
-    rows = [
-        line
-        for line in result.stdout.splitlines()
-        if line.startswith(("GPT-2 tiny, 2 proc", "ResNet-18 CIFAR, 2 x 32"))
-    ]
-    assert len(rows) == 2 and all(float(r.split()[-4].rstrip("x")) > 0 for r in rows), result.stdout
-    assert "DDP at world size 1" in result.stdout
+    assert len(rows_of(result, "GPT-2 tiny, 2 proc")) == 1
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("lightning"), reason=NO_LIGHTNING)
+def test_lesson_2_against_lightning_end_to_end(tmp_path):
+    """ddp_training.py and the same job in Lightning, 2 processes x 32, one pair."""
+    flags = ["--only", "cifar", "--pairs", "1", "--cifar-steps", "12", "--warmup", "6"]
+    result = run_python("bench/compare.py", *flags, "--work", tmp_path, timeout=600)
+    assert_ok(result)
+    assert len(rows_of(result, "ResNet-18 CIFAR, 2 x 32")) == 1
