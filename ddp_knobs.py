@@ -1,26 +1,14 @@
-"""Lesson 7: when communication or memory is the bottleneck.
+"""Lesson 7: three knobs plain DDP leaves off, one flag and one function each.
 
-    torchrun --standalone --nproc_per_node=2 ddp_knobs.py --zero --sync-bn --comm-hook bf16
+    torchrun --standalone --nproc_per_node=4 ddp_knobs.py --zero --sync-bn --comm-hook bf16
 
-Three knobs plain DDP leaves off, each a few lines marked `# DDP:`, on a small BatchNorm CNN and
-synthetic images (no download):
-
-    --zero       ZeRO-1 (build_optimizer): each rank keeps the optimizer state of 1/world_size
-                 of the parameters.
-    --sync-bn    SyncBatchNorm (convert_sync_bn): BatchNorm statistics over the GLOBAL batch,
-                 for small per-rank batches.
-    --comm-hook  a DDP communication hook (register_comm_hook): fp16 / bf16 send half the
-                 gradient bytes, powersgd far fewer (low-rank, approximate).
-
-Checkpoints hold the full optimizer state (with or without --zero: interchangeable) and PowerSGD's
-state, so a resumed run continues exactly (save, restore). What the knobs need but this lesson
-does not teach (SyncBatchNorm on CPU ranks, PowerSGD's state as tensors, a ZeRO workaround) is in
-knobs_extras.py.
+--zero (ZeRO-1) shards AdamW's state over the processes; --sync-bn normalises BatchNorm with the
+global batch's statistics; --comm-hook sends the gradients in 16 bits or as PowerSGD's low-rank
+factors. Around them: lesson 1's loop, a small BatchNorm CNN, synthetic images, and a checkpoint
+that keeps what two knobs change: ZeRO's sharded optimizer state and PowerSGD's error feedback.
 """
 
-import argparse
-import gc
-import math
+import itertools
 import os
 import time
 
@@ -32,397 +20,267 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_checkpoint import load_checkpoint, save_checkpoint
-from ddp_common import cleanup, fail, print0, set_seed, setup
-from ddp_extras import powersgd_hook
-from knobs_extras import (
-    comm_bytes_per_step,
-    convert_to_gloo_sync_batchnorm,
-    load_powersgd_state,
-    optimizer_state_bytes,
-    place_state_on_param_device,
-    powersgd_state_dict,
-    rebuild_buckets_now,
+import knobs_extras
+from ddp_common import (
+    Parser,
+    cleanup,
+    fail,
+    load_checkpoint,
+    positive_int,
+    print0,
+    save_checkpoint,
+    setup,
 )
 
 
-def build_optimizer(model, args, device):
-    """Knob 1, --zero: the optimizer, with its state sharded over the ranks (ZeRO-1)."""
-    optimizer_class = torch.optim.SGD
-    extra = {"momentum": 0.9}
-    if args.optimizer == "adamw":
-        optimizer_class = torch.optim.AdamW
-        extra = {}
-    # fused: one kernel for the whole update, on GPUs.
-    kwargs = dict(lr=args.lr, fused=device.type == "cuda", **extra)
+def parse_args():
+    parser = Parser(description="Lesson 7: ZeRO-1, SyncBatchNorm and communication hooks.")
+    parser.add_argument("--zero", action="store_true", help="shard AdamW's state (ZeRO-1)")
+    parser.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch")
+    parser.add_argument("--comm-hook", default="none", choices=["none", "fp16", "bf16", "powersgd"])
+    parser.add_argument("--powersgd-rank", type=positive_int, default=2, help="rank of the factors")
+    parser.add_argument("--powersgd-warmup", type=positive_int, default=100, help="plain steps")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--max-steps", type=positive_int, help="stop after N steps (a quick run)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per process")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="for last.pt")
+    parser.add_argument("--resume", metavar="PATH|auto", help="a checkpoint; auto: DIR/last.pt")
+    parser.add_argument("--log-every", type=positive_int, default=50, help="steps per log line")
+    args = parser.parse_args()
+    if args.powersgd_warmup < 2:
+        # PowerSGD keeps its state per gradient bucket; DDP regroups the buckets after step 1.
+        parser.error("--powersgd-warmup must be at least 2")
+    return args
+
+
+def build_optimizer(model, args):
+    """Knob 1, --zero: AdamW, its state sharded over the processes (ZeRO-1)."""
+    # fused: one kernel for the whole update, on GPUs and CPUs. The checkpoint records it, and a
+    # resume takes it from there (so a CPU checkpoint stays fused on a GPU).
     if args.zero:
-        # DDP: each rank builds optimizer_class over its shard of the parameters, updates only
-        # that shard in step() and broadcasts it. Gradients are still all-reduced in full.
+        # DDP: each process keeps AdamW's two moments for its 1/world_size of the parameters,
+        # updates that shard in step() and broadcasts it. Gradients are still all-reduced whole.
         return ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=optimizer_class, **kwargs
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr, fused=True
         )
-    return optimizer_class(model.parameters(), **kwargs)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 
 
 def convert_sync_bn(model, device):
     """Knob 2, --sync-bn: every BatchNorm normalises with the statistics of the global batch."""
     if device.type == "cuda":
-        # DDP: BatchNorm -> SyncBatchNorm BEFORE wrapping in DDP, so DDP registers the new layers.
+        # DDP: BatchNorm -> SyncBatchNorm BEFORE the DDP wrap, so that DDP wraps the new layers.
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # nn.SyncBatchNorm runs on GPUs only: the same computation for CPU ranks (knobs_extras.py).
-    return convert_to_gloo_sync_batchnorm(model)
+    # nn.SyncBatchNorm refuses CPU tensors: a stand-in computes the same (knobs_extras.py).
+    return knobs_extras.cpu_sync_batchnorm(model)
 
 
-def register_comm_hook(ddp_model, args):
-    """Knob 3, --comm-hook: replace the fp32 all-reduce of each gradient bucket. Returns PowerSGD's
-    state (error feedback and warm start live there; it belongs in the checkpoint) or None."""
+def register_comm_hook(model, args):
+    """Knob 3, --comm-hook: how each gradient bucket travels, instead of DDP's fp32 all-reduce.
+    Returns PowerSGD's state (the checkpoint needs it), or None."""
     if args.comm_hook in ("fp16", "bf16"):
-        # DDP: cast each bucket to 16 bits, all-reduce, cast back (state None: the default group).
-        hook = getattr(default_hooks, f"{args.comm_hook}_compress_hook")
-        ddp_model.register_comm_hook(None, hook)
+        # DDP: cast each bucket to 16 bits, all-reduce it, cast it back: half the bytes.
+        model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
     if args.comm_hook != "powersgd":
         return None
-    # DDP: each gradient matrix M (n x m) goes as two rank-r factors P (n x r), Q (m x r); what
-    # they miss stays on the rank (error feedback) and joins the next step's gradient.
+    # DDP: each gradient matrix (n x m) travels as two rank-r factors (n x r, m x r); what they
+    # miss stays on this process (error feedback) and joins its next gradient. The first
+    # --powersgd-warmup steps travel whole: early training is sensitive to gradient error.
     state = powerSGD_hook.PowerSGDState(
         process_group=None,
         matrix_approximation_rank=args.powersgd_rank,
         start_powerSGD_iter=args.powersgd_warmup,
     )
-    # torch's powerSGD_hook, finishing each bucket before the next on gloo (ddp_extras.py).
-    ddp_model.register_comm_hook(state, powersgd_hook)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return state
 
 
-def build(args, ddp):
-    """The model (SyncBN converted first), its DDP wrapper with the chosen hook, the optimizer."""
-    # Same initial weights on every rank (DDP also broadcasts rank 0's).
-    set_seed(args.seed)
-    model = Net().to(ddp.device)
-    if args.sync_bn:
-        model = convert_sync_bn(model, ddp.device)
-    device_ids = None
-    if ddp.device.type == "cuda":
-        device_ids = [ddp.device.index]
-    # DDP: all-reduce the gradients in buckets of --bucket-cap-mb.
-    ddp_model = DDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
-    hook_state = register_comm_hook(ddp_model, args)
-    optimizer = build_optimizer(ddp_model, args, ddp.device)
-    return ddp_model, hook_state, optimizer
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Lesson 7: ZeRO-1, SyncBatchNorm and DDP communication hooks. "
-        "Launch with: torchrun --standalone --nproc_per_node=N ddp_knobs.py"
-    )
-    parser.add_argument("--zero", action="store_true", help="shard the optimizer state (ZeRO-1)")
-    parser.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch")
-    parser.add_argument(
-        "--comm-hook",
-        default="none",
-        choices=["none", "fp16", "bf16", "powersgd"],
-        help="none = fp32 all-reduce (default); fp16 / bf16 = 16-bit buckets; powersgd = "
-        "low-rank compression with error feedback (saved in checkpoints)",
-    )
-    parser.add_argument(
-        "--powersgd-rank", type=int, default=2, help="approximation rank (default 2)"
-    )
-    parser.add_argument(
-        "--powersgd-warmup",
-        type=int,
-        default=100,
-        help="steps of plain all-reduce before PowerSGD compresses (default 100, at least 2)",
-    )
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size, MiB")
-    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="default sgd")
-    parser.add_argument(
-        "--lr", type=float, help="as given for any world size (sgd 0.05, adamw 0.003)"
-    )
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
-    parser.add_argument(
-        "--max-steps", type=int, default=0, help="stop after this many (0 = no cap)"
-    )
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per step PER RANK")
-    parser.add_argument(
-        "--samples", type=int, default=4096, help="training images (validation: 1/4)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed for the weights, data and order")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="where last.pt goes")
-    parser.add_argument(
-        "--resume", metavar="PATH|auto", help="resume from PATH; auto = DIR/last.pt"
-    )
-    parser.add_argument("--log-every", type=int, default=50, help="steps between log lines")
-    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    args = parser.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.samples < 1 or args.log_every < 1:
-        fail("--epochs, --batch-size, --samples and --log-every must be at least 1")
-    if args.max_steps < 0 or args.seed < 0:
-        fail("--max-steps and --seed must be at least 0")
-    if args.powersgd_rank < 1:
-        fail("--powersgd-rank must be at least 1")
-    # DDP rebuilds its buckets after step 1: PowerSGD's per-bucket state must start after that.
-    if args.powersgd_warmup < 2:
-        fail("--powersgd-warmup must be at least 2")
-    if args.bucket_cap_mb <= 0:
-        fail("--bucket-cap-mb must be > 0")
-    if args.lr is not None and args.lr <= 0:
-        fail("--lr must be > 0")
-    if args.lr is None:
-        args.lr = 0.05
-        if args.optimizer == "adamw":
-            args.lr = 0.003
-    return args
-
-
-class Net(nn.Module):
-    """3x16x16 image -> 10 class scores: two conv + BatchNorm blocks and a linear layer (10,266
-    parameters). No conv bias: BatchNorm subtracts the mean, bias included."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(16)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(32)
-        self.fc = nn.Linear(32 * 4 * 4, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-        return self.fc(x.flatten(1))
-
-
-def make_data(seed, n):
-    """(train, val) of 10 learnable classes: each class a fixed smooth random pattern, each image
-    that pattern plus noise. Built from its own generator: the same on every rank."""
-    generator = torch.Generator().manual_seed(seed + 12345)
-    patterns = F.interpolate(torch.rand(10, 3, 4, 4, generator=generator), size=16, mode="bilinear")
-
-    def draw(m):
-        y = torch.randint(0, 10, (m,), generator=generator)
-        return patterns[y] + 1.5 * torch.randn(m, 3, 16, 16, generator=generator), y
-
-    return draw(n), draw(max(1, n // 4))
-
-
-def sync_buffers(model):
-    """Each rank's forward updates its own BatchNorm statistics (DDP broadcasts rank 0's only at
-    the START of a forward). Before evaluating or saving, every rank takes rank 0's."""
-    for b in model.buffers():
-        # DDP: rank 0's statistics to every rank.
-        dist.broadcast(b, src=0)
-
-
-@torch.no_grad()
-def evaluate(model, x, y, ddp):
-    """Exact loss and accuracy of the bare model (rank r: samples r, r+W, ...; sums all-reduced)."""
-    sync_buffers(model)
-    model.eval()
-    logits = model(x[ddp.rank :: ddp.world_size])
-    labels = y[ddp.rank :: ddp.world_size]
-    loss_sum = F.cross_entropy(logits, labels, reduction="sum")
-    totals = torch.stack([loss_sum, (logits.argmax(1) == labels).sum()])
-    # DDP: sum the shards.
-    dist.all_reduce(totals)
-    model.train()
-    return (v / len(y) for v in totals.tolist())
-
-
-def resume_path(args, ddp):
-    """The checkpoint to resume from, or None. Every rank must agree: a rank that starts fresh
-    while the others resume would train a different model (node-local disks)."""
-    if not args.resume:
-        return None
-    path = args.resume
-    if args.resume == "auto":
-        path = os.path.join(args.checkpoint_dir, "last.pt")
-    seen = torch.tensor([float(os.path.isfile(path))], device=ddp.device)
-    # DDP: how many ranks see the file.
-    dist.all_reduce(seen)
-    ranks_seeing = int(seen.item())
-    if ranks_seeing == 0 and args.resume == "auto":
-        print0(f"resume: no {path} yet; starting from scratch")
-        return None
-    if ranks_seeing < ddp.world_size:
-        fail(
-            f"checkpoint {path} is missing on {ddp.world_size - ranks_seeing} of "
-            f"{ddp.world_size} ranks: every rank must read it (use a shared --checkpoint-dir or "
-            "copy it)",
-            rank0_only=True,
+class Trainer:
+    def __init__(self, args, ddp, train_set, test_set):
+        self.args = args
+        self.ddp = ddp
+        self.device = ddp.device
+        self.test_set = test_set
+        # The same initial weights in every process (DDP also copies rank 0's to all).
+        torch.manual_seed(0)
+        model = knobs_extras.Net().to(self.device)
+        if args.sync_bn:
+            model = convert_sync_bn(model, self.device)
+        on_gpu = self.device.type == "cuda"
+        # DDP: wrap the model; its backward averages the gradients, through the hook if any.
+        self.model = DDP(model, device_ids=[ddp.device.index] if on_gpu else None)
+        self.powersgd = register_comm_hook(self.model, args)
+        self.optimizer = build_optimizer(self.model, args)
+        # DDP: each process draws a different 1/world_size of the shuffled samples.
+        self.sampler = DistributedSampler(train_set, ddp.world_size, ddp.rank, shuffle=True)
+        self.loader = DataLoader(
+            train_set, args.batch_size, sampler=self.sampler, pin_memory=on_gpu
         )
-    return path
+        self.total_steps = args.epochs * len(self.loader)
+        if args.max_steps:
+            self.total_steps = min(self.total_steps, args.max_steps)
+        self.step = 0
+        if args.resume:
+            self._resume()
 
+    def _run_batch(self, x, y):
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        loss = F.cross_entropy(self.model(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        # DDP: the gradients are all-reduced here, bucket by bucket (through the hook, if any).
+        loss.backward()
+        # ZeRO: each process updates its shard, then broadcasts it.
+        self.optimizer.step()
+        return loss.detach()
 
-def save(path, ddp_model, optimizer, hook_state, args, ddp, step):
-    """Every rank calls this (the gathers below are collectives); rank 0 writes."""
-    sync_buffers(ddp_model.module)
-    if args.zero:
-        # DDP: consolidate_state_dict is a collective: every rank sends its shard, then rank 0
-        # alone holds the full state_dict, in the unsharded optimizer's format.
-        optimizer.consolidate_state_dict(to=0)
-    optimizer_state = None
-    if ddp.is_main or not args.zero:
-        optimizer_state = optimizer.state_dict()
-    hook_states = None
-    if hook_state is not None:
-        if ddp.is_main:
-            hook_states = [None] * ddp.world_size
-        # DDP: PowerSGD's error feedback differs per rank: rank 0 gathers every rank's.
-        dist.gather_object(powersgd_state_dict(hook_state), hook_states, dst=0)
-    checkpoint = {
-        # DDP: the bare model's weights (no "module." prefix).
-        "model": ddp_model.module.state_dict(),
-        "optimizer": optimizer_state,
-        "powersgd": hook_states,
-        "step": step,
-        "world_size": ddp.world_size,
-        "args": vars(args),
-    }
-    save_checkpoint(checkpoint, path)
+    def _run_epoch(self, epoch):
+        # DDP: a new shuffle every epoch, the same in every process.
+        self.sampler.set_epoch(epoch)
+        # A resumed run skips the batches of this epoch that it trained before it stopped.
+        batches = itertools.islice(self.loader, self.step - epoch * len(self.loader), None)
+        loss_sum = torch.zeros((), device=self.device)
+        logged, start = self.step, time.perf_counter()
+        for x, y in batches:
+            if self.step == self.total_steps:
+                break
+            loss_sum += self._run_batch(x, y)
+            self.step += 1
+            if self.step % self.args.log_every == 0 or self.step == self.total_steps:
+                steps, logged = self.step - logged, self.step
+                # DDP: every process trained a batch: samples/s of the whole job.
+                samples = steps * self.args.batch_size * self.ddp.world_size
+                # .item() waits for the device: once per log line. (Rank 0's own loss.)
+                print0(
+                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.total_steps}"
+                    f" | loss {loss_sum.item() / steps:.4f}"
+                    f" | {samples / (time.perf_counter() - start):.0f} samples/s"
+                )
+                loss_sum.zero_()
+                start = time.perf_counter()
 
+    @torch.no_grad()
+    def evaluate(self):
+        """Rank 0's model, the one the checkpoint holds, on the whole (small) test set."""
+        # DDP: the bare model: in eval mode BatchNorm uses its running statistics, no collective.
+        model = self.model.module.eval()
+        x, y = (t.to(self.device) for t in self.test_set.tensors)
+        logits = model(x)
+        model.train()
+        accuracy = (logits.argmax(1) == y).float().mean().item()
+        return F.cross_entropy(logits, y).item(), f"{100 * accuracy:.2f}%"
 
-def restore(path, ddp_model, optimizer, hook_state, args, ddp, x0):
-    """Every rank loads the checkpoint to the CPU (the full optimizer state on every GPU would undo
-    --zero's saving; load_state_dict keeps each rank's shard); returns the step reached."""
-    ckpt = load_checkpoint(path, "cpu", model=ddp_model.module, optimizer=optimizer)
-    if args.zero:
-        place_state_on_param_device(optimizer)
-    if hook_state is not None:
-        saved = ckpt.get("powersgd")
-        # What the buckets depend on: the saved state maps onto the same layout only.
-        layout = (ckpt["world_size"], ckpt["args"]["bucket_cap_mb"])
-        if saved and layout == (ddp.world_size, args.bucket_cap_mb):
-            rebuild_buckets_now(ddp_model, x0)
-            load_powersgd_state(hook_state, saved[ddp.rank], ddp.device)
-        else:
-            print0(
-                f"warning: {path} has no PowerSGD state for {ddp.world_size} ranks and "
-                f"{args.bucket_cap_mb:g} MiB buckets: error feedback restarts at zero (not exact)"
+    def _save_checkpoint(self):
+        if self.args.zero:
+            # DDP: ZeRO's state is spread over the processes: each sends its shard to rank 0,
+            # which then holds the unsharded optimizer's state_dict. A collective: all call it.
+            self.optimizer.consolidate_state_dict(to=0)
+        state = {
+            # DDP: the bare model's weights, without the wrapper's "module." prefix.
+            "model": self.model.module.state_dict(),
+            # Rank 0 writes; with --zero only rank 0 holds the whole state.
+            "optimizer": self.optimizer.state_dict() if self.ddp.rank == 0 else None,
+            "step": self.step,
+            "epoch": self.step // len(self.loader),
+            "world_size": self.ddp.world_size,
+        }
+        if self.powersgd is not None:
+            state["powersgd"] = [None] * self.ddp.world_size
+            # DDP: PowerSGD's error feedback differs on every process: a list of all of them.
+            dist.all_gather_object(state["powersgd"], knobs_extras.powersgd_state(self.powersgd))
+        save_checkpoint(state, os.path.join(self.args.checkpoint_dir, "last.pt"))
+
+    def _resume(self):
+        path = self.args.resume
+        if path == "auto":
+            path = os.path.join(self.args.checkpoint_dir, "last.pt")
+        ckpt = None
+        if self.args.resume != "auto" or os.path.exists(path):
+            ckpt = load_checkpoint(path, model=self.model.module, optimizer=self.optimizer)
+        found = [None] * self.ddp.world_size
+        # DDP: every rank must start from the same step, or they take different steps and hang.
+        # With node-local disks some ranks may not see the file: compare what each found.
+        dist.all_gather_object(found, None if ckpt is None else ckpt["step"])
+        if len(set(found)) > 1:
+            fail(
+                f"ranks found different checkpoints (step by rank: {found}): give every rank "
+                "the same one, or remove them all",
+                code=1,
+                rank0_only=True,
             )
-    print0(f"resume: {path} at step {ckpt['step']}")
-    return ckpt["step"]
+        if ckpt is None:
+            print0(f"resume: no {path} yet; starting from scratch")
+            return
+        self.step = ckpt["step"]
+        if self.args.zero:
+            # ZeRO's load_state_dict leaves AdamW's `step` on the CPU, where fused AdamW on a GPU
+            # refuses it (pytorch#124133): put it beside its parameter.
+            for param, param_state in self.optimizer.optim.state.items():
+                param_state["step"] = param_state["step"].to(param.device)
+        if self.powersgd is not None:
+            self._restore_powersgd(ckpt.get("powersgd"))
+        print0(f"resume: {path} at step {self.step}")
 
+    def _restore_powersgd(self, saved):
+        if saved is None or len(saved) != self.ddp.world_size:
+            print0(f"warning: no PowerSGD state for {self.ddp.world_size} processes: it restarts")
+            return
+        # PowerSGD's state is per gradient bucket, and DDP regroups its buckets after the first
+        # backward: one step first (the fresh state's warm-up: a plain all-reduce), then restore
+        # the BatchNorm statistics, drop the gradients and take this process's state.
+        statistics = [b.clone() for b in self.model.module.buffers()]
+        self.model(self.test_set.tensors[0][:2].to(self.device)).sum().backward()
+        for buffer, saved_buffer in zip(self.model.module.buffers(), statistics, strict=True):
+            buffer.copy_(saved_buffer)
+        self.model.zero_grad(set_to_none=True)
+        knobs_extras.load_powersgd_state(self.powersgd, saved[self.ddp.rank], self.device)
 
-def train(args, ddp):
-    """Train; returns a summary (the tests call this inside spawned ranks)."""
-    train_set, val_set = make_data(args.seed, args.samples)
-    x, y = (t.to(ddp.device) for t in train_set)
-    x_val, y_val = (t.to(ddp.device) for t in val_set)
-    # DDP: each rank reads its own 1/world_size of the shuffled indices, every epoch a new order.
-    sampler = DistributedSampler(
-        range(len(x)), num_replicas=ddp.world_size, rank=ddp.rank, seed=args.seed
-    )
-    per_epoch = len(sampler) // args.batch_size
-    if per_epoch == 0:
-        fail(
-            f"{len(sampler)} samples per rank is less than one batch of {args.batch_size}: "
-            "lower --batch-size or raise --samples"
-        )
-    run_steps = args.epochs * per_epoch
-    if args.max_steps:
-        run_steps = min(run_steps, args.max_steps)
-    ddp_model, hook_state, optimizer = build(args, ddp)
-    last = os.path.join(args.checkpoint_dir, "last.pt")
-    path = resume_path(args, ddp)
-    step = 0
-    if path:
-        step = restore(path, ddp_model, optimizer, hook_state, args, ddp, x[:2])
-    n_params = sum(p.numel() for p in ddp_model.parameters())
-    optimizer_name = args.optimizer
-    if args.zero:
-        optimizer_name += " zero"
-    print0(
-        f"start: data synthetic | params {n_params} | world {ddp.world_size} | "
-        f"backend {ddp.backend} | device {ddp.device.type} | batch {args.batch_size}/rank, "
-        f"{args.batch_size * ddp.world_size} global | optimizer {optimizer_name} | "
-        f"sync_bn {args.sync_bn} | comm_hook {args.comm_hook} | steps {step}->{run_steps}"
-    )
-    # Loss sum and correct count since the last log line.
-    stats = torch.zeros(2, device=ddp.device)
-    t0 = time.perf_counter()
-    t_log = t0
-    loss = float("nan")
-    val_loss = float("nan")
-    val_acc = float("nan")
-    order = None
-    logged = step
-    while step < run_steps:
-        epoch, i = divmod(step, per_epoch)
-        if i == 0 or order is None:
-            # DDP: without set_epoch every epoch repeats epoch 0's order.
-            sampler.set_epoch(epoch)
-            order = torch.tensor(list(sampler), device=ddp.device)
-        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-        optimizer.zero_grad(set_to_none=True)
-        logits = ddp_model(x[idx])
-        batch_loss = F.cross_entropy(logits, y[idx])
-        # DDP: all-reduces the gradient buckets (through the hook, if any) during backward.
-        batch_loss.backward()
-        # ZeRO: updates this rank's shard, then broadcasts it.
-        optimizer.step()
-        correct = (logits.argmax(1) == y[idx]).sum()
-        stats += torch.stack([batch_loss.detach() * len(idx), correct])
-        step += 1
-        if step % args.log_every == 0 or step == run_steps:
-            # DDP: global figures, once per log line.
-            dist.all_reduce(stats)
-            count = (step - logged) * args.batch_size * ddp.world_size
-            now = time.perf_counter()
-            loss, acc = (v / count for v in stats.tolist())
+    def train(self):
+        # A run resumed at its end trains nothing, and reports the last epoch again.
+        first_epoch = min(self.step // len(self.loader), self.args.epochs - 1)
+        for epoch in range(first_epoch, self.args.epochs):
+            self._run_epoch(epoch)
+            loss, accuracy = self.evaluate()
             print0(
-                f"epoch {epoch + 1}/{args.epochs} | step {step}/{run_steps} | loss {loss:.4f} | "
-                f"acc {100 * acc:.2f}% | {count / (now - t_log):.0f} samples/s"
+                f"epoch {epoch + 1}/{self.args.epochs} | val_loss {loss:.4f} | val_acc {accuracy}"
             )
-            stats.zero_()
-            t_log = now
-            logged = step
-        if step % per_epoch == 0 or step == run_steps:
-            # DDP: evaluate the bare model (ddp_model.module): no collectives in its forward.
-            val_loss, val_acc = evaluate(ddp_model.module, x_val, y_val, ddp)
-            print0(
-                f"epoch {epoch + 1}/{args.epochs} | val_loss {val_loss:.4f} | "
-                f"val_acc {100 * val_acc:.2f}%"
-            )
-            save(last, ddp_model, optimizer, hook_state, args, ddp, step)
-            # samples/s counts training only.
-            t_log = time.perf_counter()
-    if math.isnan(val_loss):
-        # Resumed with nothing left to train: evaluate what was loaded.
-        val_loss, val_acc = evaluate(ddp_model.module, x_val, y_val, ddp)
-    opt_bytes = optimizer_state_bytes(optimizer)
-    comm = comm_bytes_per_step(args.comm_hook, n_params, hook_state)
-    print0(
-        f"done: data synthetic | world {ddp.world_size} | backend {ddp.backend} | "
-        f"device {ddp.device.type} | steps {step} | loss {loss:.4f} | val_loss {val_loss:.4f} | "
-        f"val_acc {100 * val_acc:.2f}% | opt_state {opt_bytes / 2**20:.3f} MiB/rank | "
-        f"grad_comm {comm / 2**10:.1f} KiB/step/rank | time {time.perf_counter() - t0:.1f}s"
-    )
-    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
-    # DDP: free the wrapper (it sits in reference cycles) before anyone leaves the group.
-    del ddp_model, optimizer, hook_state
-    gc.collect()
-    return {
-        "step": step,
-        "loss": loss,
-        "val_loss": val_loss,
-        "val_acc": val_acc,
-        "model": weights,
-        "opt_state_bytes": opt_bytes,
-        "comm_bytes": comm,
-    }
+            self._save_checkpoint()
+            if self.step == self.total_steps:
+                break
+        return loss, accuracy
 
 
 @record
-def main(argv=None):
-    args = parse_args(argv)
-    # DDP: join the process group; pick this rank's device.
-    ddp = setup(args.backend)
-    result = train(args, ddp)
+def main():
+    args = parse_args()
+    # DDP: join the process group; torchrun says which process this is (rank, local rank).
+    ddp = setup()
+    train_set, test_set = knobs_extras.synthetic_images()
+    trainer = Trainer(args, ddp, train_set, test_set)
+    print0(
+        f"start: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
+        f"batch {args.batch_size}/process, {args.batch_size * ddp.world_size} global | zero "
+        f"{args.zero} | sync_bn {args.sync_bn} | comm_hook {args.comm_hook} | steps "
+        f"{trainer.step}->{trainer.total_steps}"
+    )
+    start = time.perf_counter()
+    loss, accuracy = trainer.train()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    # What the knobs change: the optimizer state rank 0 holds, the gradient bytes it sends.
+    held = knobs_extras.optimizer_state_bytes(trainer.optimizer)
+    sent = knobs_extras.grad_bytes_per_step(args.comm_hook, n_params, trainer.powersgd)
+    print0(
+        f"done: world {ddp.world_size} | steps {trainer.step} | val_loss {loss:.4f} | val_acc "
+        f"{accuracy} | opt_state {held / 2**20:.3f} MiB/rank | grad_comm {sent / 2**10:.1f} "
+        f"KiB/step/rank | time {time.perf_counter() - start:.1f}s"
+    )
+    # DDP: drop the wrapper, then leave the process group.
+    del trainer
     cleanup()
-    return result
 
 
 if __name__ == "__main__":
