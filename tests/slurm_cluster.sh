@@ -15,7 +15,9 @@
 # (default /tmp/ddp-course-slurm), wiped at each start; slurmctld listens on $SLURM_TEST_PORT
 # (default 16817) and the slurmd on the next two ports. The tests give each session its own dir
 # and ports, so two test sessions can run at once. Outside it, start touches only
-# /etc/hosts (adds node1/node2 -> 127.0.0.1 if they do not resolve) and /run/munge.
+# /etc/hosts (adds node1/node2 -> 127.0.0.1 if they do not resolve) and munge (starts munged if
+# none runs). The stop of the last cluster running undoes both: it removes the lines it added and
+# stops the munged it started (recorded in $MUNGE_OURS), never one it found running.
 # The "GPUs" are character devices with /dev/null's numbers: Slurm counts and hands them out
 # (so `#SBATCH --gpus-per-node=2` works unchanged), but there is no CUDA behind them.
 set -euo pipefail
@@ -29,6 +31,10 @@ NODES=(node1 node2)
 CPUS=${SLURM_TEST_CPUS:-4}
 GPUS=4
 MUNGE_PID=/run/munge/munged.pid
+# The munged this script started, if any (shared by the test sessions, like munge itself).
+MUNGE_OURS=/tmp/ddp-course-slurm-munged.pid
+# Marks the /etc/hosts lines this script adds, so that it removes those and no others.
+HOSTS_MARK="# ddp-course test Slurm"
 
 say() { echo "slurm_cluster: $*" >&2; }
 die() { echo "error: $*" >&2; exit 1; }
@@ -63,8 +69,15 @@ install_slurm() {
 add_hosts() {
     for n in "${NODES[@]}"; do
         # The job uses the first node's name as MASTER_ADDR / rendezvous host: it must resolve.
-        getent hosts "$n" >/dev/null || echo "127.0.0.1 $n  # ddp-course test Slurm" >>/etc/hosts
+        getent hosts "$n" >/dev/null || echo "127.0.0.1 $n  $HOSTS_MARK" >>/etc/hosts
     done
+}
+
+remove_hosts() {  # the lines add_hosts added; rewritten in place (/etc/hosts may be a bind mount)
+    grep -qF -- "$HOSTS_MARK" /etc/hosts || return 0
+    local kept
+    kept=$(grep -vF -- "$HOSTS_MARK" /etc/hosts || true)
+    printf '%s\n' "$kept" >/etc/hosts
 }
 
 write_config() {
@@ -132,6 +145,7 @@ start_munge() {
     chmod 0400 /etc/munge/munge.key
     chmod 0755 /run/munge
     runuser -u munge -- munged --force 9>&- || die "munged did not start (see /var/log/munge/munged.log)"
+    cp "$MUNGE_PID" "$MUNGE_OURS"
 }
 
 wait_idle() {
@@ -162,9 +176,14 @@ stop_daemons() {
     stop_pids "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"
     local f
     for f in /tmp/ddp-course-slurm*/run/slurmctld.pid; do
-        pid_alive "$f" && return 0  # another test session's cluster (its own dir and ports) still needs munge
+        pid_alive "$f" && return 0  # another test session's cluster (its own dir and ports) still needs munge and the hosts
     done
-    stop_pids "$MUNGE_PID"
+    # Only the munged this script started (the pid it recorded, still a munged).
+    if pid_alive "$MUNGE_OURS" && [[ $(cat "/proc/$(cat "$MUNGE_OURS")/comm" 2>/dev/null) == munged ]]; then
+        stop_pids "$MUNGE_OURS"
+    fi
+    rm -f "$MUNGE_OURS"
+    remove_hosts
 }
 
 stop_pids() {  # SIGTERM the processes of these pid files at once; SIGKILL any alive after 5 s
