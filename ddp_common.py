@@ -146,5 +146,5 @@ def load_checkpoint(path, **targets):
         for key, obj in targets.items():
             obj.load_state_dict(ckpt[key])
     except Exception as e:
-        fail(f"checkpoint {path} does not fit this run ({str(e).splitlines()[0][:200]})", code=1)
+        fail(f"checkpoint {path} cannot be used ({str(e).splitlines()[0][:200]})", code=1)
     return ckpt

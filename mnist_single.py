@@ -104,12 +104,12 @@ class Trainer:
     def _run_epoch(self, epoch):
         # The loss summed on the device between log lines: no wait for the GPU per step.
         loss_sum = torch.zeros((), device=self.device)
-        start = time.perf_counter()
+        start, logged = time.perf_counter(), self.step
         for x, y in self.loader:
             loss_sum += self._run_batch(x, y)
             self.step += 1
             if self.step % self.args.log_every == 0 or self.step == self.total_steps:
-                steps = (self.step - 1) % self.args.log_every + 1
+                steps = self.step - logged
                 samples = steps * self.args.batch_size
                 # .item() waits for the device: once per log line.
                 print(
@@ -118,7 +118,7 @@ class Trainer:
                     f" | {samples / (time.perf_counter() - start):.0f} samples/s"
                 )
                 loss_sum.zero_()
-                start = time.perf_counter()
+                start, logged = time.perf_counter(), self.step
             if self.step == self.total_steps:
                 break
 

@@ -557,6 +557,9 @@ REUSED_RUNS = {
     "python gpt2_ddp.py --nproc 2 --init-from gpt2": "tests/test_gpt2.py",
     "ddp_knobs.py --zero": "tests/test_knobs.py",
     "ddp_debug.py": "tests/test_debug.py",
+    "python ddp_benchmark.py": "tests/test_benchmark.py",
+    "ddp_from_scratch.py --sync torch": "tests/test_from_scratch.py",
+    "--rdzv-endpoint 127.0.0.1:29400": "tests/test_multinode.py",
 }
 README_UNITS = {
     b.key: module

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Every lesson for a few steps on CUDA with its GPU paths on: fused optimizers, bf16, fp16 with a
-# GradScaler, ZeRO save + resume with fused AdamW, torch.compile, SyncBatchNorm, comm hooks;
-# lesson 8's NCCL diagnoses (DETAIL's mismatch report, a Flight Recorder dump read by fr_trace).
+# Every lesson for a few steps on CUDA with its GPU paths on: NCCL, fused optimizers, bf16, fp16
+# with a GradScaler (and a bf16 checkpoint resumed under fp16, a job requeued from an H100 onto a
+# V100), torch.compile, restarts, ZeRO save + resume with fused AdamW, SyncBatchNorm, comm hooks,
+# lesson 8's monitored barrier beside NCCL, lesson 9's hand-made gradient sync against torch's.
 # The CPU test suite cannot reach these paths; run this on any GPU machine you get:
 #     bash tests/gpu_check.sh            # uses every visible GPU (2+ also tests NCCL across GPUs)
 # Prints one PASS/FAIL line per check and exits non-zero if any failed; exits 0 with a `skip:`
-# line where no CUDA GPU is visible. Logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check).
-# GPU_CHECK_FORCE=1 GPU_CHECK_NPROC=2 runs the same commands on CPU processes: a smoke test of the
-# flags, not of the GPU paths.
+# line where no CUDA GPU is visible. Logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check). About
+# 4 minutes on one GPU (two torch.compile runs are most of it).
+# GPU_CHECK_FORCE=1 GPU_CHECK_NPROC=2 runs the same commands on CPU processes (16-bit AMP off):
+# a smoke test of the commands and flags, not of the GPU paths. tests/test_gpu.py checks that
+# every flag and name used here exists.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
@@ -18,63 +21,65 @@ rm -rf "$LOGS" && mkdir -p "$LOGS"
 "$PY" -c "import torch; c = torch.cuda.is_available(); print('gpu:', torch.cuda.get_device_name(0) if c
 else 'none (forced run on CPU)', '| torch', torch.__version__, '| bf16 (real):',
 c and torch.cuda.is_bf16_supported(including_emulation=False))"
+BF16=bf16 FP16=fp16
+if [ -n "${GPU_CHECK_FORCE:-}" ]; then BF16=off FP16=off; fi
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$N")
 fails=0
 check() {  # check NAME CMD...: run, keep the log, print PASS/FAIL with the last `done:` line
     local name=$1; shift
-    if timeout 600 "$@" >"$LOGS/$name.log" 2>&1; then
-        echo "PASS $name | $(grep -h '^done:' "$LOGS/$name.log" | tail -n1)"
+    local start=$SECONDS
+    if timeout 300 "$@" >"$LOGS/$name.log" 2>&1; then
+        echo "PASS $name ($((SECONDS - start)) s) | $(grep -h '^done:' "$LOGS/$name.log" | tail -n1 | cut -c1-150)"
     else
-        echo "FAIL $name (exit $?) | $(tail -n 3 "$LOGS/$name.log" | tr '\n' ' ')"
+        echo "FAIL $name (exit $?) | $(tail -n 3 "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-300)"
         fails=$((fails + 1))
     fi
 }
 C="$LOGS/ckpt"
+L2=(ddp_training.py --model cnn --data synthetic --subset 4096 --batch-size 32)
 check l0_minimal "$PY" ddp_minimal.py --nproc "$N" --epochs 2
 check l1_mnist_fused_adam "${TR[@]}" ddp_mnist.py --data synthetic --max-steps 50 --checkpoint-dir "$C/l1"
-check l2_bf16 "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --max-steps 20 --amp bf16 \
-    --checkpoint-dir "$C/l2bf16"
-check l2_fp16_scaler_clip_accum "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --max-steps 20 \
-    --amp fp16 --clip-grad 1 --accum-steps 2 --checkpoint-dir "$C/l2fp16"
-check l2_compile "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --max-steps 20 --compile \
-    --checkpoint-dir "$C/l2compile"
-check l2_save "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --epochs 2 --max-steps 10 \
-    --save-every 5 --checkpoint-dir "$C/l2resume"
-check l2_resume "${TR[@]}" ddp_training.py --data synthetic --subset 4096 --epochs 2 --max-steps 20 \
-    --resume auto --checkpoint-dir "$C/l2resume"
+check l2_bf16_compile "${TR[@]}" "${L2[@]}" --amp "$BF16" --compile --max-steps 20 \
+    --checkpoint-dir "$C/l2"
+# The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with accumulation
+# (2 micro-batches a step) and clipping.
+check l2_fp16_resume_accum_clip "${TR[@]}" "${L2[@]}" --amp "$FP16" --clip-grad 1 \
+    --global-batch-size $((64 * N)) --max-steps 30 --resume auto --checkpoint-dir "$C/l2"
 check l3_restart "$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" --max-restarts=1 \
-    multi_gpu_torchrun.py --epochs 2 --save-every 10 --fail-at-step 15 --fail-rank 0 --checkpoint-dir "$C/l3"
-check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --checkpoint-dir "$C/l4"
-check l5_bf16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --amp bf16 \
-    --checkpoint-dir "$C/l5"
-check l5_fp16 "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --amp fp16 \
-    --clip-grad 1 --checkpoint-dir "$C/l5fp16"
-check l5_compile "$PY" gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20 --compile \
-    --checkpoint-dir "$C/l5compile"
+    multi_gpu_torchrun.py --epochs 2 --save-every 10 --fail-at-step 15 --checkpoint-dir "$C/l3"
+check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --data-dir "$C/l4data" --checkpoint-dir "$C/l4"
+L5=(gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20)
+check l5_fp16_scaler "$PY" "${L5[@]}" --amp "$FP16" --checkpoint-dir "$C/l5fp16"
+check l5_bf16_compile "$PY" "${L5[@]}" --amp "$BF16" --compile --checkpoint-dir "$C/l5compile"
 check l5_chunked_loss "$PY" -c "
-import torch, torch.nn.functional as F, gpt2_ddp
+import torch, torch.nn.functional as F
+from gpt2_model import LMHeadLoss
 torch.manual_seed(0)
 d = 'cuda' if torch.cuda.is_available() else 'cpu'  # (GPU_CHECK_FORCE: on the CPU)
+n = 8192 if d == 'cuda' else 256
 for dt in (torch.bfloat16, torch.float16):
-    x = torch.randn(8192, 768, device=d, requires_grad=True)
+    x = torch.randn(n, 768, device=d, requires_grad=True)
     w = (0.02 * torch.randn(50304, 768, device=d)).requires_grad_()
-    t = torch.randint(0, 50257, (8192,), device=d)
+    t = torch.randint(0, 50257, (n,), device=d)
     with torch.autocast(d, dtype=dt):
         logits = (x @ w.t()).float()
         logits[:, 50257:] = float('-inf')
-        ref, ours = F.cross_entropy(logits, t), gpt2_ddp.LMHeadLoss.apply(x, w, t, 50257, True)
+        ref, ours = F.cross_entropy(logits, t), LMHeadLoss.apply(x, w, t, 50257, True)
     s = 2.0 ** 16  # as a GradScaler would: unscaled fp16 gradients of a mean over 8192 tokens underflow
     err = [((a - b).norm() / b.norm()).item() for a, b in zip(torch.autograd.grad(ours * s, [x, w]), torch.autograd.grad(ref * s, [x, w]))]
     assert abs(ours.item() - ref.item()) < 1e-2 and max(err) < 3e-2, (dt, ours.item(), ref.item(), err)
     print(dt, 'loss', ours.item(), ref.item(), 'relative gradient error', err)
 print('done: l5 chunked loss = F.cross_entropy on ' + d + ' under bf16 and fp16 autocast')"
-check l6_benchmark "$PY" ddp_benchmark.py --quick --max-procs "$N"
-check l7_zero_fused_save "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sync-bn --comm-hook powersgd \
-    --powersgd-warmup 10 --epochs 1 --max-steps 40 --checkpoint-dir "$C/l7"
-check l7_zero_fused_resume "${TR[@]}" ddp_knobs.py --zero --optimizer adamw --sync-bn --comm-hook powersgd \
-    --powersgd-warmup 10 --epochs 1 --checkpoint-dir "$C/l7" --resume auto
-check l7_bf16_hook "${TR[@]}" ddp_knobs.py --comm-hook bf16 --epochs 1
-check gpu_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_knobs.py -k gpu
+check l6_benchmark "$PY" ddp_benchmark.py --steps 5 --warmup 1 --max-procs "$N"
+L7=(ddp_knobs.py --zero --sync-bn --comm-hook powersgd --powersgd-warmup 10 --epochs 1)
+check l7_zero_fused_save "${TR[@]}" "${L7[@]}" --max-steps 40 --checkpoint-dir "$C/l7"
+check l7_zero_fused_resume "${TR[@]}" "${L7[@]}" --checkpoint-dir "$C/l7" --resume auto
+check l7_bf16_hook "${TR[@]}" ddp_knobs.py --comm-hook bf16 --epochs 1 --checkpoint-dir "$C/l7bf16"
+# monitored_barrier needs a CPU backend: beside NCCL, the lesson's own gloo group (any world size).
+check l8_monitored_barrier "${TR[@]}" ddp_debug.py --monitored-barrier
+check l9_torch "${TR[@]}" ddp_from_scratch.py --sync torch --save-weights "$C/l9_torch.pt"
+check l9_bucket "${TR[@]}" ddp_from_scratch.py --sync bucket --reference "$C/l9_torch.pt"
+check gpu_tests "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_knobs.py -k gpu
 # Lesson 8 on NCCL: a job that must fail, and the tool that must name the culprit. expect NAME
 # PATTERN CMD...: run CMD (it fails: the fault), PASS when its log matches PATTERN.
 expect() {
@@ -88,6 +93,8 @@ expect() {
     fi
 }
 if [ "$N" -ge 2 ] && [ -z "${GPU_CHECK_FORCE:-}" ]; then
+    expect l8_straggler_named "failed to pass monitoredBarrier" \
+        "${TR[@]}" ddp_debug.py --fault straggler --monitored-barrier
     # DETAIL's collective check (on gloo, torch 2.15 crashes DDP's constructor under DETAIL).
     expect l8_detail_mismatch "Detected mismatch between collectives on ranks" \
         env TORCH_DISTRIBUTED_DEBUG=DETAIL "${TR[@]}" ddp_debug.py --fault mismatch --timeout 20
@@ -101,7 +108,7 @@ if [ "$N" -ge 2 ] && [ -z "${GPU_CHECK_FORCE:-}" ]; then
     expect l8_flight_recorder "missing ranks: \{$((N - 1))\}" \
         "$PY" -m torch.distributed.flight_recorder.fr_trace "$FR"
 else
-    echo "skip l8_detail_mismatch, l8_flight_recorder: need 2+ GPUs (NCCL; gloo does not dump)"
+    echo "skip l8_straggler_named, l8_detail_mismatch, l8_flight_recorder: need 2+ GPUs (NCCL)"
 fi
 echo "gpu_check: $fails failed"
 [ "$fails" -eq 0 ]

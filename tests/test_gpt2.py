@@ -767,7 +767,7 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
         (["--global-batch-size", "1"], 2, "a global batch of 1 over 2 ranks: too few"),
         ([*resume, "--global-batch-size", "16"], 2, "--global-batch-size 8 --max-length 32"),
         ([*resume, "--max-length", "16"], 2, "--global-batch-size 8 --max-length 32"),
-        (["--resume", str(tmp_path / "none.pt")], 1, "none.pt does not fit this run"),
+        (["--resume", str(tmp_path / "none.pt")], 1, "none.pt cannot be used"),
     ]
     argv = ["--nproc", "2", "--text", str(story), "--tokenizer", "bytes", "--max-length", "32"]
     for extra, code, words in cases:
