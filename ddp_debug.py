@@ -240,8 +240,7 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.perf_counter()
     ddp = setup(args.backend, timeout_s=args.timeout)
-    if args.bad_rank < 0:
-        args.bad_rank += ddp.world_size
+    args.bad_rank += ddp.world_size if args.bad_rank < 0 else 0
     if not 0 <= args.bad_rank < ddp.world_size:
         fail(f"--bad-rank must be in 0 .. {ddp.world_size - 1}", rank0_only=True)
     print0(
@@ -254,7 +253,6 @@ def main(argv=None):
         f"done: fault {args.fault} | fix {args.fix} | world {ddp.world_size} | backend "
         f"{ddp.backend} | weights {checksum.item():.6f} | time {time.perf_counter() - start:.1f}s"
     )
-    del model
     cleanup()
 
 
