@@ -115,9 +115,9 @@ def get_rank():
 
 
 def print0(*args):
-    """Print on global rank 0 only, so N ranks do not print N copies."""
+    """Print on global rank 0 only (not N copies), in one write: no other print lands inside."""
     if get_rank() == 0:
-        print(*args, flush=True)
+        print(" ".join(map(str, args)) + "\n", end="", flush=True)
 
 
 def save_checkpoint(state, path, writer=None):

@@ -61,8 +61,7 @@ def load_mnist(data_dir, download):
 
 
 def synthetic_mnist(n_train=60000, n_test=10000):
-    """Digits that need no download: each class a fixed random blurred pattern, each sample its
-    class's pattern plus noise, drawn from a fixed seed: the same data in every run."""
+    """Digits that need no download: a blurred random pattern per class plus noise (seed fixed)."""
     generator = torch.Generator().manual_seed(12345)
     patterns = F.interpolate(torch.rand(10, 1, 7, 7, generator=generator), size=28)
     sets = []
@@ -177,7 +176,7 @@ class Trainer:
             "step": self.step,
             "epoch": epoch + 1,
         }
-        # DDP: every process holds the same weights: rank 0 writes, the others wait.
+        # DDP: every process holds the same weights: rank 0 writes (atomically), the others wait.
         save_checkpoint(state, os.path.join(self.args.checkpoint_dir, "last.pt"))
 
     def train(self):
@@ -193,6 +192,7 @@ class Trainer:
         return loss, accuracy
 
 
+# DDP: a rank that dies of an exception gets its traceback into torchrun's report (lesson 8).
 @record
 def main():
     args = parse_args()

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 ddp_training.py    # 4 GPUs (CPUs: --model cnn)
 
-What it adds to lesson 1 (`diff ddp_mnist.py ddp_training.py`): one global batch on any world size
+What it adds to lesson 1, in the same Trainer shape: one global batch on any world size
 (no_sync accumulation), bf16/fp16 + GradScaler, clipping, warm-up + cosine, exact resume, best-k,
 compile. Data, models and augmentation are in training_data.py: replace it for your job.
 """
@@ -126,14 +126,14 @@ class Trainer:
             return None
         saved = ckpt["global_batch"]
         if self.args.global_batch_size not in (None, saved):
-            fail(f"{path} has a global batch of {saved}: resume with --global-batch-size {saved}")
+            fail(f"{path} has a global batch of {saved}: use --global-batch-size {saved}", 2, True)
         self.step = ckpt["step"]
         # A checkpoint is input from outside: the best-k files a run deletes are named from
         # numbers (the epochs), never from text in it.
         try:
             self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
         except (TypeError, ValueError):
-            fail(f"{path}: its best-k list is not [accuracy, epoch] pairs", code=1)
+            fail(f"{path}: its best-k list is not [accuracy, epoch] pairs", 1, True)
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -155,11 +155,11 @@ class Trainer:
         self.global_batch = args.global_batch_size or saved or args.batch_size * self.ddp.world_size
         if self.ddp.world_size > self.global_batch:
             # A rank without a sample would not join the step's all-reduce.
-            fail(f"a global batch of {self.global_batch} leaves ranks without a sample")
+            fail(f"a global batch of {self.global_batch} leaves ranks without a sample", 2, True)
         # An epoch is every whole global batch of the training set, on any world size.
         self.steps_per_epoch = len(self.train_set) // self.global_batch
         if self.steps_per_epoch == 0:
-            fail(f"{len(self.train_set)} training samples: fewer than {self.global_batch}")
+            fail(f"{len(self.train_set)} training samples: fewer than {self.global_batch}", 2, True)
         self.total_steps = args.epochs * self.steps_per_epoch
         self.last_step = min(self.total_steps, args.max_steps or self.total_steps)
         self.warmup_steps = round(args.warmup_epochs * self.steps_per_epoch)

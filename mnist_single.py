@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 
-from ddp_common import Parser, fail, positive_int, save_checkpoint
+from ddp_common import Parser, fail, positive_int
 
 
 def parse_args():
@@ -54,8 +54,7 @@ def load_mnist(data_dir, download):
 
 
 def synthetic_mnist(n_train=60000, n_test=10000):
-    """Digits that need no download: each class a fixed random blurred pattern, each sample its
-    class's pattern plus noise, drawn from a fixed seed: the same data in every run."""
+    """Digits that need no download: a blurred random pattern per class plus noise (seed fixed)."""
     generator = torch.Generator().manual_seed(12345)
     patterns = F.interpolate(torch.rand(10, 1, 7, 7, generator=generator), size=28)
     sets = []
@@ -143,7 +142,8 @@ class Trainer:
             "step": self.step,
             "epoch": epoch + 1,
         }
-        save_checkpoint(state, os.path.join(self.args.checkpoint_dir, "last.pt"))
+        os.makedirs(self.args.checkpoint_dir, exist_ok=True)
+        torch.save(state, os.path.join(self.args.checkpoint_dir, "last.pt"))
 
     def train(self):
         for epoch in range(self.args.epochs):

@@ -166,7 +166,7 @@ class Trainer:
         self.global_batch = args.batch_size * ddp.world_size
         self.steps_per_epoch = len(train_set) // self.global_batch
         if self.steps_per_epoch == 0:
-            fail(f"{len(train_set)} samples: not one global batch of {self.global_batch}")
+            fail(f"{len(train_set)} samples: not one global batch of {self.global_batch}", 2, True)
         self.total_steps = args.epochs * self.steps_per_epoch
         if args.max_steps:
             self.total_steps = min(self.total_steps, args.max_steps)

@@ -22,7 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, the line as it is, the line with the bug, the tests that must fail)
 BUGS = [
     (
-        "lesson 1 without set_epoch",
+        "lesson 0: every process takes rank 0's shard",
+        "ddp_minimal.py",
+        "num_replicas=world_size, rank=rank, seed=args.seed",
+        "num_replicas=world_size, rank=0, seed=args.seed",
+        [
+            "tests/test_minimal.py::test_two_processes_equal_one_process_on_the_global_batch_and_learn"
+        ],
+    ),
+    (
+        "lesson 1: no set_epoch",
         "ddp_mnist.py",
         "self.sampler.set_epoch(epoch)",
         "pass",
@@ -31,25 +40,229 @@ BUGS = [
         ],
     ),
     (
-        "lesson 1 evaluation not summed over the ranks",
+        "lesson 1: evaluation not summed over the ranks",
         "ddp_mnist.py",
         "dist.all_reduce(totals)",
         "pass",
         ["tests/test_mnist.py::test_every_test_sample_is_counted_once_and_the_output_is_rank_0s"],
     ),
     (
-        "lesson 1 evaluation: every rank scores the whole test set",
+        "lesson 1: every rank scores the whole test set",
         "ddp_mnist.py",
         "range(self.ddp.rank, len(self.test_set), self.ddp.world_size)",
         "range(len(self.test_set))",
         ["tests/test_mnist.py::test_every_test_sample_is_counted_once_and_the_output_is_rank_0s"],
     ),
     (
-        "the restart store without a namespace per attempt",
+        "helper: no namespace per restart attempt",
         "ddp_common.py",
         "store = dist.PrefixStore(f\"attempt{env['TORCHELASTIC_RESTART_COUNT']}\", agent)",
         "store = agent",
         ["tests/test_common.py::test_torchrun_shared_store_gets_one_namespace_per_attempt"],
+    ),
+    (
+        "lesson 2: the loss not scaled by W/G",
+        "ddp_training.py",
+        "self.scaler.scale(loss * self.ddp.world_size / self.global_batch)",
+        "self.scaler.scale(loss / self.global_batch)",
+        ["tests/test_training.py::test_one_global_batch_is_the_same_run_on_any_world_size"],
+    ),
+    (
+        "lesson 2: no set_epoch",
+        "ddp_training.py",
+        "self.sampler.set_epoch(epoch)",
+        "pass",
+        ["tests/test_training.py::test_every_epoch_trains_a_new_shuffle"],
+    ),
+    (
+        "lesson 2: every micro-batch all-reduces",
+        "ddp_training.py",
+        "with contextlib.nullcontext() if last else self.model.no_sync():",
+        "with contextlib.nullcontext():",
+        ["tests/test_training.py::test_only_the_last_micro_batch_of_a_step_all_reduces"],
+    ),
+    (
+        "lesson 2: an empty scaler state loaded under fp16",
+        "ddp_training.py",
+        'if ckpt["scaler"]:',
+        "if True:",
+        ["tests/test_training.py::test_mixed_precision_on_cpu_learns"],
+    ),
+    (
+        "lesson 2: each rank's random state not restored",
+        "ddp_training.py",
+        'torch.set_rng_state(rng["cpu"])',
+        "pass",
+        ["tests/test_training.py::test_a_resume_on_the_same_world_size_continues_bitwise"],
+    ),
+    (
+        "lesson 2: CIFAR read with plain pickle",
+        "training_data.py",
+        'entry = ArraysOnly(f, encoding="latin1").load()',
+        'entry = pickle.load(f, encoding="latin1")',
+        ["tests/test_training.py::test_a_cifar_file_that_would_run_code_is_refused"],
+    ),
+    (
+        "lesson 3: the optimizer state skipped on resume",
+        "multi_gpu_torchrun.py",
+        "checkpoint = load_checkpoint(self.path, model=model, optimizer=self.optimizer)",
+        "checkpoint = load_checkpoint(self.path, model=model)",
+        [
+            "tests/test_elastic.py::test_the_same_command_resumes_on_4_3_and_1_ranks_at_the_next_sample"
+        ],
+    ),
+    (
+        "lesson 3: a preempted run exits 0",
+        "multi_gpu_torchrun.py",
+        "sys.exit(128 + stop_signal)",
+        "sys.exit(0)",
+        [
+            "tests/test_torchrun_restart.py::test_without_restarts_a_crash_fails_preemptions_save_and_relaunches_resume"
+        ],
+    ),
+    (
+        "lesson 3: a rank's share cut as if W divided G",
+        "multi_gpu_torchrun.py",
+        "first = -(-(step * global_batch - rank) // world_size)",
+        "first = step * global_batch // world_size",
+        ["tests/test_elastic.py::test_same_global_batch_is_the_same_run_on_1_2_and_3_ranks"],
+    ),
+    (
+        "lesson 3: ranks do not agree on the snapshot",
+        "multi_gpu_torchrun.py",
+        "if len(set(found)) > 1:",
+        "if False:",
+        [
+            "tests/test_torchrun_restart.py::test_ranks_that_disagree_on_the_snapshot_stop_in_one_line"
+        ],
+    ),
+    (
+        "lesson 4: the local rank picks the shard",
+        "multinode.py",
+        "DistributedSampler(train_set, ddp.world_size, ddp.rank, seed=args.seed)",
+        "DistributedSampler(train_set, ddp.world_size, ddp.local_rank, seed=args.seed)",
+        ["tests/test_multinode.py::test_two_nodes_restart_after_a_worker_is_killed"],
+    ),
+    (
+        "lesson 4: only global rank 0 writes the checkpoint",
+        "multinode.py",
+        "save_checkpoint(state, path, writer=self.ddp.local_rank == 0)",
+        "save_checkpoint(state, path, writer=self.ddp.rank == 0)",
+        [
+            "tests/test_multinode.py::test_two_nodes_stage_their_own_data_and_save_their_own_checkpoint"
+        ],
+    ),
+    (
+        "lesson 4: only node 0 stages the data",
+        "multinode.py",
+        "for staging in (ddp.rank == 0, ddp.local_rank == 0):",
+        "for staging in (ddp.rank == 0,):",
+        [
+            "tests/test_multinode.py::test_two_nodes_stage_their_own_data_and_save_their_own_checkpoint"
+        ],
+    ),
+    (
+        "lesson 4: a node's different copy of the data passes",
+        "multinode.py",
+        'if len(found) > 1 or "none" in found:',
+        'if "none" in found:',
+        [
+            "tests/test_multinode.py::test_a_node_without_the_data_or_with_another_copy_stops_the_job_in_one_line"
+        ],
+    ),
+    (
+        "lesson 5: no set_epoch",
+        "gpt2_ddp.py",
+        "self.sampler.set_epoch(epoch)",
+        "pass",
+        [
+            "tests/test_gpt2.py::test_two_ranks_fine_tune_as_one_process_with_exact_val_loss_and_export_back"
+        ],
+    ),
+    (
+        "lesson 5: the loss not scaled by the share",
+        "gpt2_ddp.py",
+        "loss = self.forward(x, y) * (len(x) * self.ddp.world_size / self.global_batch)",
+        "loss = self.forward(x, y)",
+        ["tests/test_gpt2.py::test_a_resume_on_another_world_size_ends_as_the_uninterrupted_run"],
+    ),
+    (
+        "lesson 5: the optimizer state skipped on resume",
+        "gpt2_ddp.py",
+        "ckpt = load_checkpoint(path, model=model, optimizer=self.optimizer) if path else {}",
+        "ckpt = load_checkpoint(path, model=model) if path else {}",
+        ["tests/test_gpt2.py::test_resume_continues_bitwise_like_an_uninterrupted_run"],
+    ),
+    (
+        "lesson 5: an empty scaler state loaded under fp16",
+        "gpt2_ddp.py",
+        'if ckpt["scaler"]:',
+        "if True:",
+        ["tests/test_gpt2.py::test_one_process_resumes_a_checkpoint_saved_without_fp16_under_fp16"],
+    ),
+    (
+        "lesson 6: efficiency not divided by N",
+        "benchmark_extras.py",
+        "return tput_n / (n * tput_1)",
+        "return tput_n / tput_1",
+        ["tests/test_benchmark.py::test_formulas_against_hand_values"],
+    ),
+    (
+        "lesson 6: busbw without the factor 2",
+        "benchmark_extras.py",
+        "return alg_bw * 2 * (n - 1) / n",
+        "return alg_bw * (n - 1) / n",
+        ["tests/test_benchmark.py::test_formulas_against_hand_values"],
+    ),
+    (
+        "lesson 7: ZeRO saves without consolidating",
+        "ddp_knobs.py",
+        "self.optimizer.consolidate_state_dict(to=0)",
+        "pass",
+        [
+            "tests/test_knobs.py::test_zero_matches_the_unsharded_optimizer_with_half_its_state_per_process"
+        ],
+    ),
+    (
+        "lesson 7: PowerSGD's error feedback not restored",
+        "ddp_knobs.py",
+        "knobs_extras.load_powersgd_state(self.powersgd, saved[self.ddp.rank], self.device)",
+        "pass",
+        ["tests/test_knobs.py::test_resume_with_zero_and_powersgd_continues_bitwise"],
+    ),
+    (
+        "lesson 8: the uneven fix without Join",
+        "ddp_debug.py",
+        "join = Join([model])",
+        "join = nullcontext()",
+        ["tests/test_debug.py::test_fixes_run_and_join_shadows_the_ranks_that_ran_out_with_zeros"],
+    ),
+    (
+        "lesson 8: monitored_barrier on the default group",
+        "ddp_debug.py",
+        "dist.monitored_barrier(monitor,",
+        "dist.monitored_barrier(None,",
+        [
+            "tests/test_debug.py::test_monitored_barrier_needs_the_gloo_group_the_lesson_makes_beside_nccl"
+        ],
+    ),
+    (
+        "lesson 9: the naive sync does not divide",
+        "ddp_from_scratch.py",
+        "            p.grad /= self.world_size",
+        "            pass",
+        [
+            "tests/test_from_scratch.py::test_every_hand_written_sync_trains_the_weights_torch_ddp_trains"
+        ],
+    ),
+    (
+        "lesson 9: a bucket sent before its last gradient",
+        "ddp_from_scratch.py",
+        "self.missing[len(self.sent)] == 0:",
+        "self.missing[len(self.sent)] <= 1:",
+        [
+            "tests/test_from_scratch.py::test_every_hand_written_sync_trains_the_weights_torch_ddp_trains"
+        ],
     ),
 ]
 
@@ -67,6 +280,9 @@ def repo_copy(dest):
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)
     (dest / ".venv").symlink_to(ROOT / ".venv")
+    # A git repository of its own: the tests copy "what git tracks" (conftest.repo_copy).
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
 
 
 def plant(name, file, original, planted, tests):

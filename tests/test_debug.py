@@ -99,9 +99,9 @@ def test_mismatch_is_caught_and_the_stack_names_the_rank_0_only_all_reduce(readm
     ended_by_itself(result)
     out = result.stdout + result.stderr
     assert "Is there a distributed collective mismatch in your code?" in out, out[-3000:]
-    # The rank: gloo aborts rank 0 (it received more than it expected), torchrun's root cause.
-    summary = out[out.index("Root Cause (first observed failure)") :]
-    assert re.search(r"rank\s+: 0 \(local_rank: 0\)", summary), summary
+    # torchrun's report names a rank; which one it calls the root cause depends on which exit it
+    # sees first (rank 0's abort, or rank 1 stopped by torchrun): the stack below is the answer.
+    assert "Root Cause (first observed failure)" in out
     culprit = line_of("            dist.all_reduce(mean)")
     assert re.search(rf"ddp_debug.py\"?, line {culprit},? in log", out), out[-4000:]
     assert "done: fault mismatch | fix every-rank | world 2" in result.stdout

@@ -282,8 +282,11 @@ def two_hosts():
     """Two network namespaces joined by a veth pair: two "machines" with their own addresses,
     10.77.0.1 and 10.77.0.2. Yields [(namespace, interface, address)] * 2; removed after."""
     reason = namespaces_unavailable()
+    if reason and (os.environ.get("DDP_COURSE_ROOT") == "1" or os.environ.get("CI") == "true"):
+        # Asked for (.ci/run runs as root and asks): a skip here would hide the test.
+        pytest.fail(f"the cut-off-node test was asked for (DDP_COURSE_ROOT=1), but {reason}")
     if reason:
-        pytest.skip(reason)
+        pytest.skip(f"{reason} (DDP_COURSE_ROOT=1 makes this a failure)")
     tag = os.getpid() % 100000
     hosts = [(f"ddp{tag}n{i}", f"ddp{tag}v{i}", f"10.77.0.{i + 1}") for i in (0, 1)]
     (ns0, link0, _), (ns1, link1, _) = hosts
