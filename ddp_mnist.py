@@ -2,9 +2,8 @@
 
     torchrun --standalone --nproc_per_node=4 ddp_mnist.py    # 4 GPUs, or 4 CPU processes
 
-torchrun starts one process per GPU. Each builds the same model and trains on its own shard of
-the data; DDP averages the gradients in backward, so every replica takes the same step.
-`diff mnist_single.py ddp_mnist.py` shows what DDP adds: the lines marked `# DDP:`.
+torchrun starts one process per GPU; each trains the same model on its own shard of the data,
+and DDP averages the gradients in backward. `diff mnist_single.py ddp_mnist.py`: what DDP adds.
 """
 
 import contextlib
@@ -19,7 +18,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision.datasets import MNIST
 
 from ddp_common import Parser, cleanup, fail, positive_int, print0, save_checkpoint, setup
 
@@ -55,6 +53,8 @@ class Net(nn.Module):
 
 def load_mnist(data_dir, download):
     """MNIST's training and test sets through torchvision, as normalised tensors."""
+    from torchvision.datasets import MNIST
+
     sets = [MNIST(data_dir, train=train, download=download) for train in (True, False)]
     # Pixels scaled by MNIST's mean (0.1307) and standard deviation (0.3081).
     return [TensorDataset((s.data[:, None] / 255 - 0.1307) / 0.3081, s.targets) for s in sets]

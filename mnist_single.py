@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
-from torchvision.datasets import MNIST
 
 from ddp_common import Parser, fail, positive_int
 
@@ -48,6 +47,8 @@ class Net(nn.Module):
 
 def load_mnist(data_dir, download):
     """MNIST's training and test sets through torchvision, as normalised tensors."""
+    from torchvision.datasets import MNIST
+
     sets = [MNIST(data_dir, train=train, download=download) for train in (True, False)]
     # Pixels scaled by MNIST's mean (0.1307) and standard deviation (0.3081).
     return [TensorDataset((s.data[:, None] / 255 - 0.1307) / 0.3081, s.targets) for s in sets]
