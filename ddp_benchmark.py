@@ -76,8 +76,9 @@ def world_sizes(max_procs):
 def wrap(base, device, cap):
     """A copy of the model in DDP, its gradients all-reduced in buckets of `cap` MiB."""
     device_ids = [device.index] if device.type == "cuda" else None
-    # DDP: backward all-reduces the gradients bucket by bucket, while it runs.
-    return DDP(copy.deepcopy(base), device_ids=device_ids, bucket_cap_mb=cap)
+    # DDP: backward all-reduces the gradients bucket by bucket, while it runs. (Cap 0, a bucket
+    # per tensor, is passed as 1e-6 MiB: torch 2.11's DDP asserts on a cap of 0.)
+    return DDP(copy.deepcopy(base), device_ids=device_ids, bucket_cap_mb=cap or 1e-6)
 
 
 def make_step(model, batch, device, sync=True):

@@ -5,7 +5,6 @@ sweeps must write complete, positive, self-consistent records, and the all-reduc
 at the bytes DDP really sends per step."""
 
 import argparse
-import copy
 import gc
 import json
 import math
@@ -19,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import assert_clean_failure, assert_ok, run, run_python
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import benchmark_extras as extras
 import ddp_benchmark as bench
@@ -283,7 +281,8 @@ def test_the_largest_all_reduce_is_what_ddp_sends_per_step(one_rank_group):
     model, (x, y) = extras.model_and_batch("mnist", 4, CPU, rank=0)
     assert sum(p.numel() for p in model.parameters()) == MNIST_PARAMS
     for cap in (25, 0.1, 0):
-        ddp = DDP(copy.deepcopy(model), bucket_cap_mb=cap)
+        # The lesson's own wrap (cap 0: a bucket per tensor).
+        ddp = bench.wrap(model, CPU, cap)
         # DDP's own all-reduce runs in C++; allreduce_hook is its Python twin (same buckets).
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         for _ in range(2):  # DDP rebuilds its buckets after the first step
