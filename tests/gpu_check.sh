@@ -36,15 +36,15 @@ check() {  # check NAME CMD...: run, keep the log, print PASS/FAIL with the last
     fi
 }
 C="$LOGS/ckpt"
-L2=(ddp_training.py --model cnn --data synthetic --subset 4096 --batch-size 32)
+# --global-batch-size 64 x N with --batch-size 32: 2 micro-batches a step (no_sync accumulation).
+L2=(ddp_training.py --model cnn --data synthetic --subset 4096 --batch-size 32 --global-batch-size $((64 * N)))
 check l0_minimal "$PY" ddp_minimal.py --nproc "$N" --epochs 2
 check l1_mnist_fused_adam "${TR[@]}" ddp_mnist.py --data synthetic --max-steps 50 --checkpoint-dir "$C/l1"
 check l2_bf16_compile "${TR[@]}" "${L2[@]}" --amp "$BF16" --compile --max-steps 20 \
     --checkpoint-dir "$C/l2"
-# The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with accumulation
-# (2 micro-batches a step) and clipping.
+# The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with clipping.
 check l2_fp16_resume_accum_clip "${TR[@]}" "${L2[@]}" --amp "$FP16" --clip-grad 1 \
-    --global-batch-size $((64 * N)) --max-steps 30 --resume auto --checkpoint-dir "$C/l2"
+    --max-steps 30 --resume auto --checkpoint-dir "$C/l2"
 check l3_restart "$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" --max-restarts=1 \
     multi_gpu_torchrun.py --epochs 2 --save-every 10 --fail-at-step 15 --checkpoint-dir "$C/l3"
 check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --data-dir "$C/l4data" --checkpoint-dir "$C/l4"
