@@ -28,6 +28,13 @@ sys.path.insert(0, str(ROOT))  # so tests (and mp.spawn children) can import the
 # needs: PASSIVE makes it sleep (a two-node test alone: 22-37 s of CPU -> 14 s). Set before any
 # process loads torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torchrun keeps a log folder per launch (/tmp/torchelastic_*) after it exits: the processes the
+# tests start (cpu_env) make their temporary files here, and the folder goes with the session.
+CHILD_TMP = tempfile.mkdtemp(prefix="ddp-course-tmp-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(CHILD_TMP, ignore_errors=True)
 
 
 PORT_BOOK = (
@@ -145,6 +152,7 @@ def cpu_env(**extra):
         PYTHONUNBUFFERED="1",
         DDP_TIMEOUT="60",
         PYTHONPATH=str(ROOT),
+        TMPDIR=CHILD_TMP,
     )
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -490,6 +498,7 @@ def slurm():
         yield {
             "SLURM_CONF": f"{state_dir}/slurm.conf",
             "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+            "TMPDIR": CHILD_TMP,
         }
     finally:
         subprocess.run(["bash", CLUSTER, "stop"], env=env, capture_output=True, timeout=120)
