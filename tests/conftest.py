@@ -29,12 +29,19 @@ sys.path.insert(0, str(ROOT))  # so tests (and mp.spawn children) can import the
 # process loads torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # torchrun keeps a log folder per launch (/tmp/torchelastic_*) after it exits: the processes the
-# tests start (cpu_env) make their temporary files here, and the folder goes with the session.
-CHILD_TMP = tempfile.mkdtemp(prefix="ddp-course-tmp-")
+# tests start (cpu_env) make their temporary files in a folder that goes with the session. Made in
+# pytest_configure, so that a process that only imports this file (a spawned worker) makes none.
+CHILD_TMP = None
+
+
+def pytest_configure(config):
+    global CHILD_TMP
+    CHILD_TMP = tempfile.mkdtemp(prefix="ddp-course-tmp-")
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(CHILD_TMP, ignore_errors=True)
+    if CHILD_TMP:
+        shutil.rmtree(CHILD_TMP, ignore_errors=True)
 
 
 PORT_BOOK = (
@@ -152,8 +159,9 @@ def cpu_env(**extra):
         PYTHONUNBUFFERED="1",
         DDP_TIMEOUT="60",
         PYTHONPATH=str(ROOT),
-        TMPDIR=CHILD_TMP,
     )
+    if CHILD_TMP:
+        env["TMPDIR"] = CHILD_TMP
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

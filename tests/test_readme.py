@@ -41,7 +41,8 @@
    ```diff OLD NEW block is `diff -U1 OLD NEW` itself, line for line.
 
 Also: the README's test command is what .ci/run runs; the worked example of gradient averaging
-is computed for real; every relative link resolves; the README stays a spine (<= 700 lines)."""
+is computed for real; every relative link resolves; the README stays a spine (no maintainer notes;
+its lesson sections are <= 120 lines each, tests/test_style.py)."""
 
 import re
 import subprocess
