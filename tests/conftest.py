@@ -294,35 +294,6 @@ def run_nodes(cmds, tmp_path=None, timeout=240, env=None):
     return results
 
 
-def run_torchrun_nodes(script, node_args, nproc=1, timeout=180, env=None, extra=()):
-    """Several torchrun agents on this machine, one per "node", sharing one c10d rendezvous
-    (what a cluster with node-local disks looks like). node_args[i]: the script's arguments on
-    node i. c10d ranks nodes by sorted address, so node i gets --local-addr 127.0.0.<i+1> and is
-    GROUP_RANK i. Returns one CompletedProcess per node; all are killed on timeout."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    return run_nodes(
-        [
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={len(node_args)}",
-                f"--nproc_per_node={nproc}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}",
-                "--rdzv-id=nodes",
-                f"--local-addr=127.0.0.{i + 1}",
-                *extra,
-                ROOT / script,
-                *args,
-            ]
-            for i, args in enumerate(node_args)
-        ],
-        timeout=timeout,
-        env=env,
-    )
-
-
 def run_python(script, *args, timeout=180, env=None):
     return run([sys.executable, ROOT / script, *args], timeout=timeout, env=env or cpu_env())
 
@@ -431,6 +402,44 @@ def torchrun_env(rank, world_size, port, local_world_size=None):
         DDP_TIMEOUT="60",
         OMP_NUM_THREADS="1",
     )
+
+
+def _main_as_worker(rank, world_size, port, out, script, argv_by_node):
+    """In a spawned process: the lesson's main() with the variables torchrun would set and the
+    arguments of this rank's node; its exit code and output saved for the test."""
+    import importlib
+    import io
+
+    import torch
+
+    torchrun_env(rank, world_size, port, local_world_size=world_size // len(argv_by_node))
+    sys.argv = [script, *map(str, argv_by_node[rank * len(argv_by_node) // world_size])]
+    lesson = importlib.import_module(Path(script).stem)
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            lesson.main()
+        except SystemExit as e:
+            code = e.code
+    import ddp_common
+
+    ddp_common.cleanup()  # a run that stopped with an error left the group up
+    torch.save((code, stdout.getvalue(), stderr.getvalue()), os.path.join(out, f"rank{rank}.pt"))
+
+
+def run_spawned(script, *args, nproc=2, nodes=None):
+    """What run_torchrun(script, *args, nproc=nproc) runs, without the agent: the lesson's main()
+    in nproc processes forked from the session's forkserver (spawn), each with the variables
+    torchrun would give it. For a test where torchrun itself is not what is tested: it saves the
+    agent's start-up and an import of torch in every process. nodes: one argument list per
+    "node" instead of args (a node's ranks get LOCAL_RANK from 0, GROUP_RANK the node's number).
+    One CompletedProcess per rank (code 0, or what main() exited with)."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_main_as_worker, nproc, out, script, nodes or [args])
+        results = [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(nproc)]
+    return [subprocess.CompletedProcess(script, *result) for result in results]
 
 
 def assert_clean_failure(result, code=None):
@@ -577,6 +586,7 @@ REUSED_RUNS = {
     "python ddp_benchmark.py": "tests/test_benchmark.py",
     "ddp_from_scratch.py --sync torch": "tests/test_from_scratch.py",
     "--rdzv-endpoint 127.0.0.1:29400": "tests/test_multinode.py",
+    "sbatch --wait slurm/train_srun.sbatch": "tests/test_slurm.py",
 }
 README_UNITS = {
     b.key: module

@@ -1,7 +1,9 @@
-"""Lesson 1, ddp_mnist.py (and its one-process twin, mnist_single.py): under torchrun on MNIST in
-its real on-disk format, two ranks train exactly the model one process trains on the global
-batch, reshuffled every epoch, evaluate every test sample once, and rank 0 saves the bare model.
-Node-local data (a download per node) is lesson 4's: tests/test_multinode.py."""
+"""Lesson 1, ddp_mnist.py (and its one-process twin, mnist_single.py): on MNIST in its real
+on-disk format, two ranks (the processes torchrun starts, forked with its variables) train exactly
+the model one process trains on the global batch, reshuffled every epoch, evaluate every test
+sample once, and rank 0 saves the bare model. Under torchrun itself: a machine with one GPU, and
+no data offline (and the README's commands, tests/test_readme.py). Node-local data (a download
+per node) is lesson 4's: tests/test_multinode.py."""
 
 import os
 import re
@@ -16,6 +18,7 @@ from conftest import (
     assert_ok,
     cpu_env,
     run_python,
+    run_spawned,
     run_torchrun,
 )
 
@@ -79,18 +82,21 @@ def one_process_reference(data_dir, epochs, batch, lr=1e-3):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """One torchrun launch of the lesson on 2 ranks x 8 samples, 2 epochs, offline, on MNIST
-    files in the real format; the tests below read its output and its checkpoint."""
+    """The lesson on 2 ranks x 8 samples, 2 epochs, offline, on MNIST files in the real format,
+    in processes forked with the variables torchrun sets (conftest.run_spawned; the README's
+    torchrun commands launch it for real); the tests below read rank 0's output, and the
+    checkpoint. Rank 1 prints nothing."""
     tmp = tmp_path_factory.mktemp("mnist")
     make_mnist(tmp / "data")
-    result = run_torchrun(
+    rank0, rank1 = run_spawned(
         "ddp_mnist.py",
         *("--data-dir", tmp / "data", "--checkpoint-dir", tmp / "ck"),
         *("--epochs", 2, "--batch-size", 8, "--log-every", 8),
-        env=cpu_env(**DEAD_PROXY),
     )
-    result.tmp = tmp
-    return result
+    assert_ok(rank1)
+    assert rank1.stdout == "", rank1.stdout
+    rank0.tmp = tmp
+    return rank0
 
 
 def test_torchvision_reads_the_idx_files_we_write(tmp_path):
@@ -128,7 +134,7 @@ def test_every_test_sample_is_counted_once_and_the_output_is_rank_0s(two_ranks):
     assert done["world"] == "2" and done["steps"] == "32"
     start = fields(two_ranks, "start")
     assert start["batch"] == "8/process, 16 global" and start["backend"] == "gloo"
-    # One copy of each line (rank 0 prints), one log line per 8 steps.
+    # One copy of each line (rank 0 prints; rank 1's output is empty), one log line per 8 steps.
     lines = two_ranks.stdout.splitlines()
     assert sum(line.startswith("start:") for line in lines) == 1
     assert [line.split(" | ")[1] for line in lines if " samples/s" in line] == [

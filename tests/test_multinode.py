@@ -27,8 +27,7 @@ from conftest import (
     run,
     run_nodes,
     run_python,
-    spawn,
-    torchrun_env,
+    run_spawned,
 )
 
 import multinode
@@ -89,14 +88,13 @@ def one_error_line(results, code=1):
 
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory):
-    """launch_ddp.sh on one node, 2 processes: RESTART_RUN uninterrupted, which the restarted
-    two-node job and the run stopped and resumed inside an epoch must end equal to. Its last.pt."""
+    """RESTART_RUN uninterrupted on 2 ranks of one node (forked: conftest.run_spawned), which the
+    restarted two-node job and the run stopped and resumed inside an epoch must end equal to.
+    Its last.pt."""
     out = tmp_path_factory.mktemp("single_node")
     args = [*RESTART_RUN, "--data-dir", out / "data", "--checkpoint-dir", out / "ckpt"]
-    r = run(
-        ["bash", ROOT / "launch_ddp.sh", "--nproc", "2", "multinode.py", *args], env=launch_env()
-    )
-    assert_ok(r)
+    for r in run_spawned("multinode.py", *args):
+        assert_ok(r)
     last = ckpt(out / "ckpt" / "last.pt")
     assert last["step"] == 24 and last["global_batch"] == 64 and last["world_size"] == 2
     return last
@@ -224,15 +222,6 @@ def test_two_nodes_restart_after_a_worker_is_killed(tmp_path, single_node):
         assert last["step"] == 24 and same_weights(last["model"], single_node["model"]), n
 
 
-def _main_as_torchrun_worker(rank, world_size, port, flags):
-    """In a spawned process: multinode.main() with the environment torchrun would give it."""
-    torchrun_env(rank, world_size, port)
-    sys.argv = ["multinode.py", *RESTART_RUN, *map(str, flags)]
-    import multinode
-
-    multinode.main()
-
-
 def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -243,24 +232,25 @@ def test_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, single_node)
     `--resume PATH` with another --checkpoint-dir finishes: PATH was only read, the run saved to
     its own --checkpoint-dir, and the weights equal the uninterrupted run's, bit for bit (no
     batch skipped, none repeated). One process with the same --batch-size is another global
-    batch: refused in one line. (The two-rank runs are spawned: the processes torchrun would
-    start, without the agent's start-up.)"""
+    batch: refused in one line. (The runs are forked: the processes torchrun would start, without
+    the agent's start-up.)"""
     first, second, data = tmp_path / "first", tmp_path / "second", tmp_path / "data"
-    common = ["--data-dir", data]
-    spawn(_main_as_torchrun_worker, 2, [*common, "--max-steps", "11", "--checkpoint-dir", first])
+    common = [*RESTART_RUN, "--data-dir", data]
+    for r in run_spawned("multinode.py", *common, "--max-steps", "11", "--checkpoint-dir", first):
+        assert_ok(r)
     stopped = first / "last.pt"
     assert ckpt(stopped)["step"] == 11
     before = sha256(stopped)
-    spawn(_main_as_torchrun_worker, 2, [*common, "--resume", stopped, "--checkpoint-dir", second])
+    for r in run_spawned("multinode.py", *common, "--resume", stopped, "--checkpoint-dir", second):
+        assert_ok(r)
     assert sha256(stopped) == before, "--resume PATH rewrote its input"
     assert os.listdir(first) == ["last.pt"]
     last = ckpt(second / "last.pt")
     assert last["step"] == 24 and same_weights(last["model"], single_node["model"])
 
-    one_rank = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1}
-    env = cpu_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), **one_rank)
-    args = [*RESTART_RUN, *common, "--resume", "auto", "--checkpoint-dir", first]
-    r = run_python("multinode.py", *args, env=env)
+    [r] = run_spawned(
+        "multinode.py", *common, "--resume", "auto", "--checkpoint-dir", first, nproc=1
+    )
     [line] = assert_clean_failure(r, code=2)
     assert "global batch of 64" in line and "1 x 32" in line
     assert sha256(stopped) == before

@@ -24,9 +24,8 @@ from conftest import (
     cpu_env,
     error_lines,
     flat_tensors,
-    kill_tree,
     run,
-    torchrun_cmd,
+    run_spawned,
 )
 
 if not SLURM_ASKED:
@@ -139,7 +138,7 @@ def run_side_by_side(slurm, tmp_path, args, options=None, ddp_timeout=60, timeou
 
 def check_job(output, checkpoint_dir):
     """4 ranks on 2 Slurm nodes, 2 each (global rank = node x 2 + local rank), all on the same
-    data; one `done:` line; last.pt holds the 2 epochs' 16 steps."""
+    data; one `done:` line; last.pt holds the 2 epochs' 16 steps (2048 samples, 4 x 64)."""
     rows = re.findall(
         r"^rank (\d+) \| node (\d+) \| local_rank (\d+) \| host \S+ \| device cpu \| data (\w+)$",
         output,
@@ -161,25 +160,23 @@ ONE_RANK_PER_NODE = {
 
 
 @pytest.mark.slow
-def test_sbatch_two_nodes(slurm, tmp_path):
-    """Both scripts as written: 2 nodes x 2 ranks, each rank where its numbers say."""
-
-    def args(job_dir):
-        return [
-            "multinode.py",
-            *SMALL,
-            "--epochs",
-            "2",
-            "--data-dir",
-            job_dir / "data",
-            "--checkpoint-dir",
-            job_dir / "ckpt",
-        ]
-
-    for script, (code, output) in run_side_by_side(slurm, tmp_path, args).items():
+def test_sbatch_two_nodes(slurm, tmp_path, readme_run):
+    """Both scripts as written: 2 nodes x 2 ranks, each rank where its numbers say.
+    train_srun.sbatch is the README's command (its run, which test_readme checks too);
+    train.sbatch runs here with the same flags."""
+    readme = readme_run("sbatch --wait slurm/train_srun.sbatch")
+    [out] = readme.cwd.glob("slurm-ddp-srun-*.out")
+    outputs = {"train_srun.sbatch": (readme.returncode, read(out), readme.cwd / "checkpoints")}
+    job_dir = tmp_path / "train.sbatch"
+    flags = ["--epochs", "2", "--samples", "2048"]
+    flags += ["--data-dir", job_dir / "data", "--checkpoint-dir", job_dir / "ckpt"]
+    job = submit(slurm, job_dir, "train.sbatch", "multinode.py", *flags)
+    ended = wait_jobs(slurm, {"train.sbatch": job}, timeout=300)
+    outputs["train.sbatch"] = (job_result(ended["train.sbatch"]), read(job[1]), job_dir / "ckpt")
+    for script, (code, output, checkpoint_dir) in outputs.items():
         assert code == 0, (script, output[-3000:])
         try:
-            check_job(output, tmp_path / script / "ckpt")
+            check_job(output, checkpoint_dir)
         except (AssertionError, OSError) as e:
             raise AssertionError(f"{script}: {e}\n--- job output\n{output[-4000:]}") from None
 
@@ -236,46 +233,34 @@ def test_preempted_job_requeues_itself_and_ends_as_if_never_stopped(slurm, tmp_p
     """Slurm's warning signal mid-run (what --signal=B:USR1@120 sends before the time limit), to
     a lesson 3 job under each script: the batch shell passes it on, lesson 3 snapshots and exits,
     the job requeues itself, resumes from the snapshot and ends with the weights of a run never
-    interrupted, bit for bit. That run (torchrun here, 2 ranks: the world size, not the launcher,
-    decides the arithmetic) and the two jobs run at once."""
+    interrupted, bit for bit. That run comes first, on 2 forked ranks (conftest.run_spawned: the
+    world size, not the launcher, decides the arithmetic)."""
     reference = tmp_path / "uninterrupted"
-    uninterrupted = subprocess.Popen(
-        torchrun_cmd("multi_gpu_torchrun.py", *LESSON3, "--checkpoint-dir", reference),
-        cwd=ROOT,
-        env=cpu_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        jobs = {}
-        for script in SCRIPTS:
-            jobs[script] = submit(
-                slurm,
-                tmp_path / script,
-                script,
-                "tests/restart_faults.py",
-                "--step-delay",
-                "0.1",
-                *LESSON3,
-                "--checkpoint-dir",
-                tmp_path / script / "ckpt",
-                options=ONE_RANK_PER_NODE[script],
-            )
-        # "start:": lesson 3 handles the signal from then on.
-        ended = wait_jobs(slurm, jobs, timeout=420, signal_at="start:")
-        outputs = {script: read(out) for script, (job, out) in jobs.items()}
-        for script, fields in ended.items():
-            assert job_result(fields) == 0 and fields["Restarts"] == "1", (
-                script,
-                fields,
-                outputs[script][-4000:],
-            )
-        log, _ = uninterrupted.communicate(timeout=240)
-        assert uninterrupted.returncode == 0, log[-3000:]
-    finally:
-        kill_tree(uninterrupted.pid)
+    [done, _] = run_spawned("multi_gpu_torchrun.py", *LESSON3, "--checkpoint-dir", reference)
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = {}
+    for script in SCRIPTS:
+        jobs[script] = submit(
+            slurm,
+            tmp_path / script,
+            script,
+            "tests/restart_faults.py",
+            "--step-delay",
+            "0.1",
+            *LESSON3,
+            "--checkpoint-dir",
+            tmp_path / script / "ckpt",
+            options=ONE_RANK_PER_NODE[script],
+        )
+    # "start:": lesson 3 handles the signal from then on.
+    ended = wait_jobs(slurm, jobs, timeout=420, signal_at="start:")
+    outputs = {script: read(out) for script, (job, out) in jobs.items()}
+    for script, fields in ended.items():
+        assert job_result(fields) == 0 and fields["Restarts"] == "1", (
+            script,
+            fields,
+            outputs[script][-4000:],
+        )
     expected = load_weights(reference)
     for script, output in outputs.items():
         stopped = re.search(r"^preempted: signal SIGUSR1 \| step (\d+)/(\d+) \|", output, re.M)

@@ -1,7 +1,10 @@
 """Lesson 3 (multi_gpu_torchrun.py): workers die, torchrun restarts them, a preempted job stops
 with a snapshot and exits 128 + the signal, and every run resumes from the snapshot and ends
 exactly where an uninterrupted run ends, printing the same losses on the way. Real torchrun, 2
-processes, gloo. tests/restart_faults.py slows the steps down where a kill must land mid-run."""
+processes, gloo, where torchrun is what is tested (restarts, signals, exit codes); the
+uninterrupted run and the runs that only read a snapshot run the lesson's main() in processes
+forked with the variables torchrun sets (conftest.run_spawned: no agent, no import of torch in
+each process). tests/restart_faults.py slows the steps down where a kill must land mid-run."""
 
 import glob
 import os
@@ -18,12 +21,10 @@ from conftest import (
     assert_ok,
     cpu_env,
     error_lines,
-    free_port,
     kill_tree,
-    run,
     run_python,
+    run_spawned,
     run_torchrun,
-    run_torchrun_nodes,
     torchrun_cmd,
 )
 
@@ -85,23 +86,17 @@ def assert_same_losses(output, expected):
     assert not differ, f"step: (printed, uninterrupted) {differ}"
 
 
-# Restarts for runs that must succeed: the rest absorb a rare abort of a gloo worker at process
-# exit *after* training finished and the last snapshot was written ("terminate called without
-# an active exception", SIGABRT; a few in 100 runs on torch 2.14.1). The extra attempt resumes
-# the finished snapshot, trains nothing and prints a second done: line.
-RESTARTS = ["--max-restarts=2"]
-
-
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    """An uninterrupted run: what every interrupted run must end with, and the losses it prints."""
+    """An uninterrupted run: what every interrupted run must end with, and the losses it prints.
+    Then the same command again, which finds the job complete: it trains and saves nothing."""
     ckdir = tmp_path_factory.mktemp("baseline")
-    r = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", ckdir, timeout=TIMEOUT, extra=RESTARTS)
+    command = [*RUN, "--checkpoint-dir", ckdir]
+    r, _ = run_spawned(SCRIPT, *command)
     assert_ok(r)
     assert lines(r.stdout, "done:") and starts(r.stdout)[0] == (0, 0), r.stdout[-2000:]
     snapshot = load(ckdir / "last.pt")
-    # A second launch finds the job complete: it trains and saves nothing.
-    again = run_torchrun(SCRIPT, *RUN, "--checkpoint-dir", ckdir, timeout=TIMEOUT, extra=RESTARTS)
+    again, _ = run_spawned(SCRIPT, *command)
     assert_ok(again)
     assert lines(again.stdout, "resumed:") and lines(again.stdout, "done:"), again.stdout
     assert not losses(again.stdout) and not lines(again.stdout, "saved:"), again.stdout
@@ -253,7 +248,8 @@ def test_killed_three_ways_it_restarts_each_time_and_ends_as_if_never_interrupte
 @pytest.mark.slow
 def test_without_restarts_a_crash_fails_preemptions_save_and_relaunches_resume(tmp_path, baseline):
     """Four launches, no restarts: a crash, a SIGUSR1 to one worker (what Slurm's --signal sends
-    every task), a SIGTERM to torchrun (a spot instance reclaimed, `kill`), then a clean finish.
+    every task), a SIGTERM to torchrun (a spot instance reclaimed, `kill`), then a clean finish
+    (forked ranks: conftest.run_spawned).
     Each launch resumes where the last one stopped; the end equals the uninterrupted run bitwise
     and every loss printed on the way equals the uninterrupted run's."""
     path = tmp_path / "last.pt"
@@ -293,7 +289,8 @@ def test_without_restarts_a_crash_fails_preemptions_save_and_relaunches_resume(t
         stops.append(step)
         outputs.append(out)
 
-    r = run_torchrun(SCRIPT, *command, timeout=TIMEOUT, extra=no_restarts)
+    # The last launch only resumes and finishes: the lesson's ranks without the agent.
+    r, _ = run_spawned(SCRIPT, *command)
     assert_ok(r)
     assert starts(r.stdout) == [(0, stops[-1])]
     snapshot, printed = baseline
@@ -326,22 +323,9 @@ def test_bad_argument_from_the_command_line_is_one_clean_line():
     assert "Traceback" not in r.stderr
 
 
-def one_process(argv):
-    """The lesson as one process with the variables torchrun would set: no agent needed."""
-    env = cpu_env(
-        RANK=0,
-        WORLD_SIZE=1,
-        LOCAL_RANK=0,
-        LOCAL_WORLD_SIZE=1,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=free_port(),
-    )
-    return run([sys.executable, ROOT / SCRIPT, *argv], timeout=TIMEOUT, env=env)
-
-
 def test_snapshot_from_another_model_is_one_error_line(tmp_path, baseline):
     torch.save(baseline[0], tmp_path / "last.pt")
-    r = one_process([*RUN, "--hidden", "64", "--checkpoint-dir", tmp_path])
+    [r] = run_spawned(SCRIPT, *RUN, "--hidden", "64", "--checkpoint-dir", tmp_path, nproc=1)
     errors = error_lines(r)
     assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
     assert "cannot be used" in errors[0], errors
@@ -354,7 +338,7 @@ def test_ranks_that_disagree_on_the_snapshot_stop_in_one_line(tmp_path, baseline
     (tmp_path / "node0").mkdir()
     torch.save(baseline[0], tmp_path / "node0" / "last.pt")
     nodes = [[*RUN, "--checkpoint-dir", tmp_path / f"node{node}"] for node in (0, 1)]
-    results = run_torchrun_nodes(SCRIPT, nodes, timeout=TIMEOUT)
+    results = run_spawned(SCRIPT, nodes=nodes)
     errors = [line for r in results for line in error_lines(r)]
     assert all(r.returncode != 0 and not lines(r.stdout, "done:") for r in results), errors
     assert len(errors) == 1 and "step by rank: [24, None]" in errors[0], errors

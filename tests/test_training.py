@@ -34,7 +34,7 @@ from conftest import (
     free_port,
     kill_tree,
     run_python,
-    run_torchrun,
+    run_spawned,
     spawn,
     torchrun_cmd,
     torchrun_env,
@@ -648,8 +648,10 @@ def test_kill_during_save_leaves_last_checkpoint_loadable(tmp_path):
             f.unlink()
     assert killed_mid_save, "never caught a save in progress"
     assert torch.load(folder / "last.pt", weights_only=True)["step"] >= 1
-    result = run_torchrun("ddp_training.py", *flags, "--resume", "auto", timeout=240)
+    # The resume: the same command, in processes forked with torchrun's variables.
+    result, other = run_spawned("ddp_training.py", *flags, "--resume", "auto")
     assert_ok(result)
+    assert_ok(other)
     final = torch.load(folder / "last.pt", weights_only=True)
     # 200 images: 180 to train, 11 steps of 16 an epoch.
     assert final["epoch"] == 2 and final["step"] == 2 * 11
