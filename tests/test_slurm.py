@@ -165,7 +165,9 @@ def test_sbatch_two_nodes(slurm, tmp_path, readme_run):
     train_srun.sbatch is the README's command (its run, which test_readme checks too);
     train.sbatch runs here with the same flags."""
     readme = readme_run("sbatch --wait slurm/train_srun.sbatch")
-    [out] = readme.cwd.glob("slurm-ddp-srun-*.out")
+    found = list(readme.cwd.glob("slurm-ddp-srun-*.out"))  # the script's --output
+    assert readme.returncode == 0 and len(found) == 1, (found, readme.stderr[-3000:])
+    [out] = found
     outputs = {"train_srun.sbatch": (readme.returncode, read(out), readme.cwd / "checkpoints")}
     job_dir = tmp_path / "train.sbatch"
     flags = ["--epochs", "2", "--samples", "2048"]
