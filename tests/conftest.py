@@ -404,15 +404,16 @@ def torchrun_env(rank, world_size, port, local_world_size=None):
     )
 
 
-def _main_as_worker(rank, world_size, port, out, script, argv_by_node):
-    """In a spawned process: the lesson's main() with the variables torchrun would set and the
-    arguments of this rank's node; its exit code and output saved for the test."""
+def _main_as_worker(rank, world_size, port, out, script, argv_by_node, env):
+    """In a spawned process: the lesson's main() with the variables torchrun would set (and env)
+    and the arguments of this rank's node; its exit code and output saved for the test."""
     import importlib
     import io
 
     import torch
 
     torchrun_env(rank, world_size, port, local_world_size=world_size // len(argv_by_node))
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
     sys.argv = [script, *map(str, argv_by_node[rank * len(argv_by_node) // world_size])]
     lesson = importlib.import_module(Path(script).stem)
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
@@ -427,17 +428,17 @@ def _main_as_worker(rank, world_size, port, out, script, argv_by_node):
     torch.save((code, stdout.getvalue(), stderr.getvalue()), os.path.join(out, f"rank{rank}.pt"))
 
 
-def run_spawned(script, *args, nproc=2, nodes=None):
+def run_spawned(script, *args, nproc=2, nodes=None, env=None):
     """What run_torchrun(script, *args, nproc=nproc) runs, without the agent: the lesson's main()
     in nproc processes forked from the session's forkserver (spawn), each with the variables
     torchrun would give it. For a test where torchrun itself is not what is tested: it saves the
     agent's start-up and an import of torch in every process. nodes: one argument list per
     "node" instead of args (a node's ranks get LOCAL_RANK from 0, GROUP_RANK the node's number).
-    One CompletedProcess per rank (code 0, or what main() exited with)."""
+    env: variables to add. One CompletedProcess per rank (code 0, or what main() exited with)."""
     import torch
 
     with tempfile.TemporaryDirectory() as out:
-        spawn(_main_as_worker, nproc, out, script, nodes or [args])
+        spawn(_main_as_worker, nproc, out, script, nodes or [args], env)
         results = [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(nproc)]
     return [subprocess.CompletedProcess(script, *result) for result in results]
 

@@ -92,6 +92,7 @@ def two_ranks(tmp_path_factory):
         "ddp_mnist.py",
         *("--data-dir", tmp / "data", "--checkpoint-dir", tmp / "ck"),
         *("--epochs", 2, "--batch-size", 8, "--log-every", 8),
+        env=DEAD_PROXY,
     )
     assert_ok(rank1)
     assert rank1.stdout == "", rank1.stdout
