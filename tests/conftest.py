@@ -407,14 +407,23 @@ def torchrun_env(rank, world_size, port, local_world_size=None):
 def _main_as_worker(rank, world_size, port, out, script, argv_by_node, env):
     """In a spawned process: the lesson's main() with the variables torchrun would set (and env)
     and the arguments of this rank's node; its exit code and output saved for the test."""
-    import importlib
-    import io
-
     import torch
 
     torchrun_env(rank, world_size, port, local_world_size=world_size // len(argv_by_node))
     os.environ.update({k: str(v) for k, v in (env or {}).items()})
-    sys.argv = [script, *map(str, argv_by_node[rank * len(argv_by_node) // world_size])]
+    argv = argv_by_node[rank * len(argv_by_node) // world_size]
+    torch.save(main_output(script, argv), os.path.join(out, f"rank{rank}.pt"))
+
+
+def main_output(script, argv):
+    """In a rank: the lesson's main() with argv, as its command line would run it; (exit code,
+    stdout, stderr). A run that stopped with an error left its group up: it is left here."""
+    import importlib
+    import io
+
+    import ddp_common
+
+    sys.argv = [script, *map(str, argv)]
     lesson = importlib.import_module(Path(script).stem)
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -422,10 +431,8 @@ def _main_as_worker(rank, world_size, port, out, script, argv_by_node, env):
             lesson.main()
         except SystemExit as e:
             code = e.code
-    import ddp_common
-
-    ddp_common.cleanup()  # a run that stopped with an error left the group up
-    torch.save((code, stdout.getvalue(), stderr.getvalue()), os.path.join(out, f"rank{rank}.pt"))
+    ddp_common.cleanup()
+    return code, stdout.getvalue(), stderr.getvalue()
 
 
 def run_spawned(script, *args, nproc=2, nodes=None, env=None):

@@ -6,9 +6,6 @@ hooks' bytes on the wire, the workers count what torch's DDP communication hooks
 torch.distributed.all_reduce. The README's torchrun command is checked end to end (its run is
 shared with test_readme.py: conftest.readme_run)."""
 
-import contextlib
-import gc
-import io
 import json
 import math
 import os
@@ -25,6 +22,7 @@ from conftest import (
     assert_ok,
     flat_tensors,
     free_port,
+    main_output,
     run,
     run_torchrun,
     spawn,
@@ -90,22 +88,8 @@ class HookBytes:
 
 def _run_main(argv):
     """ddp_knobs.main() with argv, as torchrun runs it: (stdout, stderr, exit code)."""
-    import torch.distributed as dist
-
-    import ddp_knobs
-
-    sys.argv = ["ddp_knobs.py", *argv]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            ddp_knobs.main()
-        except SystemExit as e:
-            code = e.code
-    # A run that stopped with an error left its group (and its DDP model, now garbage) behind.
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return out.getvalue(), err.getvalue(), code
+    code, stdout, stderr = main_output("ddp_knobs.py", argv)
+    return stdout, stderr, code
 
 
 def _worker(rank, world, port, out, ports):
