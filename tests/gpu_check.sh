@@ -6,11 +6,14 @@
 # The CPU test suite cannot reach these paths; run this on any GPU machine you get:
 #     bash tests/gpu_check.sh            # uses every visible GPU (2+ also tests NCCL across GPUs)
 # Prints one PASS/FAIL line per check and exits non-zero if any failed; exits 0 with a `skip:`
-# line where no CUDA GPU is visible. Logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check). About
-# 4 minutes on one GPU (two torch.compile runs are most of it).
-# GPU_CHECK_FORCE=1 GPU_CHECK_NPROC=2 runs the same commands on CPU processes (16-bit AMP off):
-# a smoke test of the commands and flags, not of the GPU paths. tests/test_gpu.py checks that
-# every flag and name used here exists.
+# line where no CUDA GPU is visible. Logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check). The
+# checks run $GPU_CHECK_JOBS at a time (default 4; they check what runs, not how fast): most of
+# each is a process starting, 15-25 s on an H100 machine for a second or two of training. One
+# H100 (torch 2.11, 2026-11-27): 17 PASS in 124 s (one at a time: 311 s for the first 16). The
+# three NCCL fault checks need 2+ GPUs and run last, alone.
+# GPU_CHECK_FORCE=1 GPU_CHECK_NPROC=2 runs the same commands on CPU processes (16-bit AMP off),
+# one at a time: a smoke test of the commands and flags, not of the GPU paths.
+# tests/test_gpu.py checks that every flag and name used here exists.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
@@ -24,27 +27,32 @@ c and torch.cuda.is_bf16_supported(including_emulation=False))"
 BF16=bf16 FP16=fp16
 if [ -n "${GPU_CHECK_FORCE:-}" ]; then BF16=off FP16=off; fi
 TR=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$N")
-fails=0
-check() {  # check NAME CMD...: run, keep the log, print PASS/FAIL with the last `done:` line
+JOBS=${GPU_CHECK_JOBS:-4}
+if [ -n "${GPU_CHECK_FORCE:-}" ]; then JOBS=${GPU_CHECK_JOBS:-1}; fi
+declare -A PID
+check() {  # check NAME CMD...: run in the background, keep the log, print PASS/FAIL + `done:` line
     local name=$1; shift
-    local start=$SECONDS
-    if timeout 300 "$@" >"$LOGS/$name.log" 2>&1; then
-        echo "PASS $name ($((SECONDS - start)) s) | $(grep -h '^done:' "$LOGS/$name.log" | tail -n1 | cut -c1-150)"
-    else
-        echo "FAIL $name (exit $?) | $(tail -n 3 "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-300)"
-        fails=$((fails + 1))
-    fi
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+    (
+        start=$SECONDS
+        if timeout 300 "$@" >"$LOGS/$name.log" 2>&1; then
+            echo "PASS $name ($((SECONDS - start)) s) | $(grep -h '^done:' "$LOGS/$name.log" | tail -n1 | cut -c1-150)"
+        else
+            echo "FAIL $name (exit $?) | $(tail -n 3 "$LOGS/$name.log" | tr '\n' ' ' | cut -c1-300)"
+        fi | tee "$LOGS/$name.result"
+    ) &
+    PID[$name]=$!
 }
+after() { wait "${PID[$1]}"; }  # after NAME: a check that reads what NAME saved waits for it
 C="$LOGS/ckpt"
+# The GPU tests first: the longest check.
+check gpu_tests "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_knobs.py -k gpu
 # --global-batch-size 64 x N with --batch-size 32: 2 micro-batches a step (no_sync accumulation).
 L2=(ddp_training.py --model cnn --data synthetic --subset 4096 --batch-size 32 --global-batch-size $((64 * N)))
 check l0_minimal "$PY" ddp_minimal.py --nproc "$N" --epochs 2
 check l1_mnist_fused_adam "${TR[@]}" ddp_mnist.py --data synthetic --max-steps 50 --checkpoint-dir "$C/l1"
 check l2_bf16_compile "${TR[@]}" "${L2[@]}" --amp "$BF16" --compile --max-steps 20 \
     --checkpoint-dir "$C/l2"
-# The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with clipping.
-check l2_fp16_resume_accum_clip "${TR[@]}" "${L2[@]}" --amp "$FP16" --clip-grad 1 \
-    --max-steps 30 --resume auto --checkpoint-dir "$C/l2"
 check l3_restart "$PY" -m torch.distributed.run --standalone --nproc_per_node="$N" --max-restarts=1 \
     multi_gpu_torchrun.py --epochs 2 --save-every 10 --fail-at-step 15 --checkpoint-dir "$C/l3"
 check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --data-dir "$C/l4data" --checkpoint-dir "$C/l4"
@@ -76,14 +84,22 @@ print('done: l5 chunked loss = F.cross_entropy on', d, 'under autocast', dts)"
 check l6_benchmark "$PY" ddp_benchmark.py --steps 5 --warmup 1 --max-procs "$N"
 L7=(ddp_knobs.py --zero --sync-bn --comm-hook powersgd --powersgd-warmup 10 --epochs 1)
 check l7_zero_fused_save "${TR[@]}" "${L7[@]}" --max-steps 40 --checkpoint-dir "$C/l7"
-check l7_zero_fused_resume "${TR[@]}" "${L7[@]}" --checkpoint-dir "$C/l7" --resume auto
 check l7_bf16_hook "${TR[@]}" ddp_knobs.py --comm-hook bf16 --epochs 1 --checkpoint-dir "$C/l7bf16"
 # monitored_barrier needs a CPU backend: beside NCCL, the lesson's own gloo group (any world size).
 check l8_monitored_barrier "${TR[@]}" ddp_debug.py --monitored-barrier
 check l9_torch "${TR[@]}" ddp_from_scratch.py --sync torch --save-weights "$C/l9_torch.pt"
+# Checks that resume what an earlier one saved.
+after l2_bf16_compile
+# The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with clipping.
+check l2_fp16_resume_accum_clip "${TR[@]}" "${L2[@]}" --amp "$FP16" --clip-grad 1 \
+    --max-steps 30 --resume auto --checkpoint-dir "$C/l2"
+after l7_zero_fused_save
+check l7_zero_fused_resume "${TR[@]}" "${L7[@]}" --checkpoint-dir "$C/l7" --resume auto
+after l9_torch
 check l9_bucket "${TR[@]}" ddp_from_scratch.py --sync bucket --reference "$C/l9_torch.pt"
-check gpu_tests "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_knobs.py -k gpu
-# Lesson 8 on NCCL: a job that must fail, and the tool that must name the culprit. expect NAME
+wait
+fails=$(grep -l "^FAIL" "$LOGS"/*.result 2>/dev/null | wc -l)
+# Lesson 8 on NCCL, alone: a job that must fail, and the tool that must name the culprit. expect NAME
 # PATTERN CMD...: run CMD (it fails: the fault), PASS when its log matches PATTERN.
 expect() {
     local name=$1 pattern=$2; shift 2
