@@ -108,6 +108,8 @@ class Trainer:
         # The same initial weights in every process (DDP also copies rank 0's to all).
         torch.manual_seed(0)
         model = knobs_extras.Net().to(self.device)
+        # The order matters: SyncBatchNorm before DDP (DDP must wrap the new layers), then the
+        # hook, on DDP's wrapper, before any backward (as torch's docs require).
         if args.sync_bn:
             model = convert_sync_bn(model, self.device)
         on_gpu = self.device.type == "cuda"

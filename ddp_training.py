@@ -2,10 +2,10 @@
 
     torchrun --standalone --nproc_per_node=4 ddp_training.py    # 4 GPUs (CPUs: --model cnn)
 
-What it adds to lesson 1, in the same Trainer shape: one global batch on any world size
-(no_sync accumulation), bf16/fp16 + GradScaler, clipping, warm-up + cosine, exact resume, best-k,
-compile. Data, models and augmentation are in training_data.py: replace it for your job.
-"""
+Its one idea: a step is one global batch G, the same samples on any world size; each rank trains
+its share (my_share) in micro-batches, all-reducing after the last (no_sync). Around it, in the
+Trainer shape of lesson 1: AMP, clipping, warm-up + cosine, exact resume, best-k, compile. Data
+and models are in training_data.py: replace it for your job."""
 
 import contextlib
 import math
@@ -69,8 +69,8 @@ def pick_amp(choice, device):
 
 def my_share(shard, step, global_batch, rank, world_size):
     """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Global batch `step` is positions step*G .. (step+1)*G - 1; this returns
-    this rank's part of it, the same samples on any world size."""
+    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
+    them, the same samples on any world size. (-(-a // b) is a / b rounded up.)"""
     first = -(-(step * global_batch - rank) // world_size)
     last = -(-((step + 1) * global_batch - rank) // world_size)
     return shard[first:last]

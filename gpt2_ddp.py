@@ -1,6 +1,6 @@
-"""Lesson 5: fine-tune GPT-2 on a text, one command: mp.spawn starts a worker per GPU. Each
-trains its share of every global batch of token windows; rank 0 saves, then exports the model
-for Hugging Face transformers. GPT-2 is in gpt2_model.py; the DDP lines are marked `# DDP:`.
+"""Lesson 5: fine-tune GPT-2 on a text, one command. main() prepares once (token windows, weights,
+--resume), then mp.spawn starts worker(rank) per GPU: each trains its share of every global batch
+and leaves the group; rank 0 then exports for Hugging Face. GPT-2 itself is in gpt2_model.py.
 
     python gpt2_ddp.py --nproc 2 --init-from gpt2 --text FILE --export-hf out/
 """
@@ -65,8 +65,8 @@ def pick_amp(choice, device):
 
 def my_share(shard, step, global_batch, rank, world_size):
     """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Global batch `step` is positions step*G .. (step+1)*G - 1; this returns
-    this rank's part of it, the same windows on any world size."""
+    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
+    them, the same windows on any world size. (-(-a // b) is a / b rounded up.)"""
     first = -(-(step * global_batch - rank) // world_size)
     last = -(-((step + 1) * global_batch - rank) // world_size)
     return shard[first:last]
@@ -262,8 +262,8 @@ def worker(rank, world_size, args, data):
     )
     start = time.perf_counter()
     loss = trainer.train()
-    # DDP: drop the wrapper, then leave the group, every rank together. Nothing after this is
-    # collective: rank 0 exports while the others exit (print0 no longer knows the rank).
+    # DDP: drop the wrapper, then leave the group, every rank together; nothing after is
+    # collective. Outside the group print0 cannot tell the ranks apart (mp.spawn sets no RANK).
     del trainer.model, trainer.forward
     cleanup()
     if ddp.rank == 0:

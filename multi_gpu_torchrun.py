@@ -94,8 +94,8 @@ def make_dataset(samples, dim=20):
 
 def my_share(shard, step, global_batch, rank, world_size):
     """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Global batch `step` is positions step*G .. (step+1)*G - 1; this returns
-    this rank's part of it, the same samples on any world size."""
+    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
+    them, the same samples on any world size. (-(-a // b) is a / b rounded up.)"""
     first = -(-(step * global_batch - rank) // world_size)
     last = -(-((step + 1) * global_batch - rank) // world_size)
     return shard[first:last]
@@ -267,8 +267,11 @@ class Trainer:
                 loss_sum.zero_()
                 steps = 0
                 start = time.perf_counter()
+                # Preemption: here, where the loop waits for the device anyway, the ranks agree
+                # whether any of them was signalled, and all stop at this same step.
                 stop = self.step < self.total_steps and self._agree_to_stop()
             finished = stop or self.step == self.total_steps
+            # A snapshot at the end, every --save-every steps, and at every epoch's end.
             every = args.save_every or self.steps_per_epoch
             if finished or self.step % every == 0 or self.step % self.steps_per_epoch == 0:
                 self._save_checkpoint()

@@ -87,9 +87,10 @@ def stage_data(args, ddp):
     """Puts DATA_FILE into this node's --data-dir, unless it is there already."""
     path = os.path.join(args.data_dir, DATA_FILE)
     # DDP: every node reads its own copy, from its own disk (node-local scratch: fast, and not
-    # a thousand ranks reading one shared file). Global rank 0 stages first; then local rank 0
-    # of each node stages what its node still lacks; everyone else waits at the barrier. No two
-    # processes ever write one folder at once, node-local or shared.
+    # a thousand ranks reading one shared file). Two rounds, a barrier after each: in the first
+    # only global rank 0 stages (on a shared disk it is then the only writer); in the second,
+    # local rank 0 of each node stages what its node still lacks. No two processes ever write
+    # one folder at once, node-local or shared.
     for staging in (ddp.rank == 0, ddp.local_rank == 0):
         if staging and not os.path.exists(path):
             # A copy that failed shows below, as this node's missing data.
