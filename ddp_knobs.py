@@ -167,7 +167,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self):
-        """Rank 0's model, the one the checkpoint holds, on the whole (small) test set."""
+        """Every rank scores the whole small test set in one batch (lesson 1 shows sharding)."""
         # DDP: the bare model: in eval mode BatchNorm uses its running statistics, no collective.
         model = self.model.module.eval()
         x, y = (t.to(self.device) for t in self.test_set.tensors)

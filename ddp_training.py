@@ -57,6 +57,15 @@ def parse_args():
     return parser.parse_args()
 
 
+def my_share(shard, step, global_batch, rank, world_size):
+    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
+    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
+    them, the same samples on any world size. (-(-a // b) is a / b rounded up.)"""
+    first = -(-(step * global_batch - rank) // world_size)
+    last = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[first:last]
+
+
 def pick_amp(choice, device):
     """--amp auto: bf16 where the GPU has it, else fp16 (with a GradScaler); off on CPUs."""
     if choice != "auto":
@@ -65,15 +74,6 @@ def pick_amp(choice, device):
         return "off"
     # A T4 or a V100 only emulates bf16, slowly: is_bf16_supported() alone says yes there.
     return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-
-
-def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
-    them, the same samples on any world size. (-(-a // b) is a / b rounded up.)"""
-    first = -(-(step * global_batch - rank) // world_size)
-    last = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[first:last]
 
 
 class Trainer:

@@ -53,6 +53,15 @@ def parse_args():
     return parser.parse_args()
 
 
+def my_share(shard, step, global_batch, rank, world_size):
+    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
+    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
+    them, the same windows on any world size. (-(-a // b) is a / b rounded up.)"""
+    first = -(-(step * global_batch - rank) // world_size)
+    last = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[first:last]
+
+
 def pick_amp(choice, device):
     """--amp auto: bf16 where the GPU has it, else fp16 (with a GradScaler); off on CPUs."""
     if choice != "auto":
@@ -61,15 +70,6 @@ def pick_amp(choice, device):
         return "off"
     # A T4 or a V100 only emulates bf16, slowly: is_bf16_supported() alone says yes there.
     return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-
-
-def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
-    them, the same windows on any world size. (-(-a // b) is a / b rounded up.)"""
-    first = -(-(step * global_batch - rank) // world_size)
-    last = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[first:last]
 
 
 def prepare(args, world_size):
@@ -263,7 +263,7 @@ def worker(rank, world_size, args, data):
     start = time.perf_counter()
     loss = trainer.train()
     # DDP: drop the wrapper, then leave the group, every rank together; nothing after is
-    # collective. Outside the group print0 cannot tell the ranks apart (mp.spawn sets no RANK).
+    # collective. Then print0 cannot tell the ranks apart (mp.spawn sets no RANK): hence the if.
     del trainer.model, trainer.forward
     cleanup()
     if ddp.rank == 0:

@@ -55,7 +55,7 @@ def parse_args():
         type=positive_int,
         help="samples per step, all ranks (default: the snapshot's, else batch x world size)",
     )
-    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="resumes from last.pt")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints/lesson3", help="resumes last.pt")
     parser.add_argument("--save-every", type=positive_int, help="also snapshot every N steps")
     parser.add_argument(
         "--log-every", type=positive_int, default=10, help="steps per log line and stop check"
@@ -161,15 +161,16 @@ class Trainer:
                 code=1,
                 rank0_only=True,
             )
-        # Each rank its own random stream (dropout). On another world size the ranks' streams
-        # cannot be split anew: fresh ones, seeded by the step.
-        torch.manual_seed(1000 * self.step + ddp.rank)
         if checkpoint and checkpoint["world_size"] == ddp.world_size:
-            # DDP: each rank takes its own random state back.
+            # DDP: each rank takes its own random state back (dropout draws differ by rank).
             rng = checkpoint["rng"][ddp.rank]
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"])
+        else:
+            # A fresh start, or another world size (the ranks' streams cannot be split anew):
+            # each rank a stream of its own, seeded by the step.
+            torch.manual_seed(1000 * self.step + ddp.rank)
         return checkpoint
 
     def _plan_global_batch(self, checkpoint):

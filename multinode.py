@@ -9,7 +9,7 @@ rank (0 .. processes per node - 1, unique on its node). The local rank picks the
 rank picks the data shard and who prints. Each node has its own disk: its local rank 0 stages the
 data there (copies it from shared storage, or writes the generated set) and writes its own copy
 of the checkpoint, and the ranks check that every node holds the same data and resumes from the
-same step. Lesson 1 (`ddp_mnist.py`) is the model; the lines this lesson adds are marked `# DDP:`.
+same step. Lesson 1 (`ddp_mnist.py`) is the model; its DDP lines are marked `# DDP:` here too.
 Start it with torchrun, slurm/train.sbatch, slurm/train_srun.sbatch or ./launch_ddp.sh.
 """
 

@@ -106,9 +106,9 @@ def get_data(args, ddp):
     augmentation. --data auto: CIFAR-10 if every rank can read it, else synthetic on all."""
     problem = None
     if args.data != "synthetic":
-        # DDP: global rank 0 fetches first; then each node's local rank 0 fetches what its node
-        # still lacks (node-local disks); everyone else waits at the barrier. No two processes
-        # ever write one folder at once, shared disk or not.
+        # DDP: two rounds, a barrier after each: global rank 0 fetches, then each node's local
+        # rank 0 fetches what its node still lacks (node-local disks: lesson 4 explains it). No
+        # two processes ever write one folder at once, shared disk or not.
         for fetching in (ddp.rank == 0, ddp.local_rank == 0):
             if fetching:
                 with contextlib.suppress(Exception):
