@@ -45,7 +45,7 @@ check() {  # check NAME CMD...: run in the background, keep the log, print PASS/
 }
 after() { wait "${PID[$1]}"; }  # after NAME: a check that reads what NAME saved waits for it
 C="$LOGS/ckpt"
-# The GPU tests first: the longest check.
+# The GPU tests first: with the compiled GPT-2, the longest check.
 check gpu_tests "$PY" -m pytest -q -p no:cacheprovider -n 0 tests/test_knobs.py -k gpu
 # --global-batch-size 64 x N with --batch-size 32: 2 micro-batches a step (no_sync accumulation).
 L2=(ddp_training.py --model cnn --data synthetic --subset 4096 --batch-size 32 --global-batch-size $((64 * N)))
@@ -99,8 +99,8 @@ after l9_torch
 check l9_bucket "${TR[@]}" ddp_from_scratch.py --sync bucket --reference "$C/l9_torch.pt"
 wait
 fails=$(grep -l "^FAIL" "$LOGS"/*.result 2>/dev/null | wc -l)
-# Lesson 8 on NCCL, alone: a job that must fail, and the tool that must name the culprit. expect NAME
-# PATTERN CMD...: run CMD (it fails: the fault), PASS when its log matches PATTERN.
+# Lesson 8 on NCCL, alone: a job that must fail, and the tool that must name the culprit.
+# expect NAME PATTERN CMD...: run CMD (it fails: the fault), PASS when its log matches PATTERN.
 expect() {
     local name=$1 pattern=$2; shift 2
     timeout 300 "$@" >"$LOGS/$name.log" 2>&1
