@@ -128,8 +128,7 @@ class Trainer:
         if self.args.global_batch_size not in (None, saved):
             fail(f"{path} has a global batch of {saved}: use --global-batch-size {saved}", 2, True)
         self.step = ckpt["step"]
-        # A checkpoint is input from outside: the best-k files a run deletes are named from
-        # numbers (the epochs), never from text in it.
+        # Input from outside: the best-k files a run deletes are named from numbers, not its text.
         try:
             self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
         except (TypeError, ValueError):
@@ -212,6 +211,7 @@ class Trainer:
         rank, world_size = self.ddp.rank, self.ddp.world_size
         shares = [my_share(shard, s - first, self.global_batch, rank, world_size) for s in steps]
         size = self.args.batch_size
+        # One loader for the epoch's micro-batches: on GPUs its workers read ahead across steps.
         batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
         seed = self.args.seed + 1000 * epoch + rank
         micro_batches = iter(loader(self.train_set, batches, self.device, seed))

@@ -130,7 +130,7 @@ class Trainer:
         # DDP: each process draws a different 1/world_size of the shuffled samples.
         self.sampler = DistributedSampler(train_set, ddp.world_size, ddp.rank, shuffle=True)
         checkpoint = self._load_checkpoint(model)
-        self._plan_global_batch(checkpoint)
+        self._plan_batches(checkpoint)
         if checkpoint:
             print0(
                 f"resumed: {self.path} | step {self.step} | epoch "
@@ -173,7 +173,7 @@ class Trainer:
             torch.manual_seed(1000 * self.step + ddp.rank)
         return checkpoint
 
-    def _plan_global_batch(self, checkpoint):
+    def _plan_batches(self, checkpoint):
         """G, the samples of one step over all ranks: fixed for the whole run, so that step s
         trains the same samples on any world size. A torchrun restart or a requeued job cannot
         change the command: G comes back from the snapshot."""
