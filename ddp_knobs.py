@@ -59,8 +59,7 @@ def parse_args():
 
 def build_optimizer(model, args):
     """Knob 1, --zero: AdamW, its state sharded over the processes (ZeRO-1)."""
-    # fused: one kernel for the whole update, on GPUs and CPUs. The checkpoint records it, and a
-    # resume takes it from there (so a CPU checkpoint stays fused on a GPU).
+    # fused: one kernel for the whole update, on GPUs and CPUs (a checkpoint carries the setting).
     if args.zero:
         # DDP: each process keeps AdamW's two moments for its 1/world_size of the parameters,
         # updates that shard in step() and broadcasts it. Gradients are still all-reduced whole.
@@ -108,8 +107,7 @@ class Trainer:
         # The same initial weights in every process (DDP also copies rank 0's to all).
         torch.manual_seed(0)
         model = knobs_extras.Net().to(self.device)
-        # The order matters: SyncBatchNorm before DDP (DDP must wrap the new layers), then the
-        # hook, on DDP's wrapper, before any backward (as torch's docs require).
+        # The order matters: SyncBatchNorm, then DDP, then the hook (before any backward).
         if args.sync_bn:
             model = convert_sync_bn(model, self.device)
         on_gpu = self.device.type == "cuda"
@@ -122,9 +120,8 @@ class Trainer:
         self.loader = DataLoader(
             train_set, args.batch_size, sampler=self.sampler, pin_memory=on_gpu
         )
-        self.total_steps = args.epochs * len(self.loader)
-        if args.max_steps:
-            self.total_steps = min(self.total_steps, args.max_steps)
+        total_steps = args.epochs * len(self.loader)
+        self.last_step = min(total_steps, args.max_steps or total_steps)
         self.step = 0
         if args.resume:
             self._resume()
@@ -148,17 +145,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         logged, start = self.step, time.perf_counter()
         for x, y in batches:
-            if self.step == self.total_steps:
+            if self.step == self.last_step:
                 break
             loss_sum += self._run_batch(x, y)
             self.step += 1
-            if self.step % self.args.log_every == 0 or self.step == self.total_steps:
+            if self.step % self.args.log_every == 0 or self.step == self.last_step:
                 steps, logged = self.step - logged, self.step
                 # DDP: every process trained a batch: samples/s of the whole job.
                 samples = steps * self.args.batch_size * self.ddp.world_size
                 # .item() waits for the device: once per log line. (Rank 0's own loss.)
                 print0(
-                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.total_steps}"
+                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.last_step}"
                     f" | loss {loss_sum.item() / steps:.4f}"
                     f" | {samples / (time.perf_counter() - start):.0f} samples/s"
                 )
@@ -231,15 +228,8 @@ class Trainer:
         if saved is None or len(saved) != self.ddp.world_size:
             print0(f"warning: no PowerSGD state for {self.ddp.world_size} processes: it restarts")
             return
-        # PowerSGD's state is per gradient bucket, and DDP regroups its buckets after the first
-        # backward: one step first (the fresh state's warm-up: a plain all-reduce), then restore
-        # the BatchNorm statistics, drop the gradients and take this process's state.
-        statistics = [b.clone() for b in self.model.module.buffers()]
-        self.model(self.test_set.tensors[0][:2].to(self.device)).sum().backward()
-        for buffer, saved_buffer in zip(self.model.module.buffers(), statistics, strict=True):
-            buffer.copy_(saved_buffer)
-        self.model.zero_grad(set_to_none=True)
-        knobs_extras.load_powersgd_state(self.powersgd, saved[self.ddp.rank], self.device)
+        sample = self.test_set.tensors[0][:2].to(self.device)
+        knobs_extras.load_powersgd_state(self.model, self.powersgd, saved[self.ddp.rank], sample)
 
     def train(self):
         # A run resumed at its end trains nothing, and reports the last epoch again.
@@ -251,7 +241,7 @@ class Trainer:
                 f"epoch {epoch + 1}/{self.args.epochs} | val_loss {loss:.4f} | val_acc {accuracy}"
             )
             self._save_checkpoint()
-            if self.step == self.total_steps:
+            if self.step == self.last_step:
                 break
         return loss, accuracy
 
@@ -267,12 +257,13 @@ def main():
         f"start: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
         f"batch {args.batch_size}/process, {args.batch_size * ddp.world_size} global | zero "
         f"{args.zero} | sync_bn {args.sync_bn} | comm_hook {args.comm_hook} | steps "
-        f"{trainer.step}->{trainer.total_steps}"
+        f"{trainer.step}->{trainer.last_step}"
     )
     start = time.perf_counter()
     loss, accuracy = trainer.train()
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    # What the knobs change: the optimizer state rank 0 holds, the gradient bytes it sends.
+    # What the knobs change: the optimizer state rank 0 holds, the gradient bytes it hands to
+    # all-reduce (ZeRO's broadcast of the updated shards not counted).
     held = knobs_extras.optimizer_state_bytes(trainer.optimizer)
     sent = knobs_extras.grad_bytes_per_step(args.comm_hook, n_params, trainer.powersgd)
     print0(

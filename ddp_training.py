@@ -58,12 +58,12 @@ def parse_args():
 
 
 def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
-    them, the same samples on any world size. (-(-a // b) is a / b rounded up.)"""
-    first = -(-(step * global_batch - rank) // world_size)
-    last = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[first:last]
+    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: shard[j] is position
+    r + jW. Step s trains positions sG .. (s+1)G - 1, so this rank's are shard[j] for ceil((sG -
+    r) / W) <= j < ceil(((s+1)G - r) / W): the same on any world size. -(-a // b) is ceil(a / b)."""
+    begin = -(-(step * global_batch - rank) // world_size)
+    end = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[begin:end]
 
 
 def pick_amp(choice, device):
@@ -81,7 +81,7 @@ class Trainer:
         self.args = args
         self.ddp = ddp
         self.device = ddp.device
-        self.dataset, self.train_set, self.val_set, self.test_set = data
+        self.data_name, self.train_set, self.val_set, self.test_set = data
         self.amp = pick_amp(args.amp, ddp.device)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[self.amp]
         # The same initial weights in every process (DDP also copies rank 0's to all).
@@ -128,7 +128,7 @@ class Trainer:
         if self.args.global_batch_size not in (None, saved):
             fail(f"{path} has a global batch of {saved}: use --global-batch-size {saved}", 2, True)
         self.step = ckpt["step"]
-        # Input from outside: the best-k files a run deletes are named from numbers, not its text.
+        # A file from elsewhere: its best-k entries name files to delete, so they must be numbers.
         try:
             self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
         except (TypeError, ValueError):
@@ -162,8 +162,7 @@ class Trainer:
         self.total_steps = args.epochs * self.steps_per_epoch
         self.last_step = min(self.total_steps, args.max_steps or self.total_steps)
         self.warmup_steps = round(args.warmup_epochs * self.steps_per_epoch)
-        # --lr is for a global batch of 256: k times the batch, k times fewer steps, each k times
-        # as far (the linear scaling rule for SGD, which the warm-up makes safe).
+        # --lr is for a global batch of 256, scaled linearly (safe for SGD after the warm-up).
         self.peak_lr = args.lr * self.global_batch / 256
 
     def _learning_rate(self):
@@ -175,8 +174,9 @@ class Trainer:
 
     def _run_batch(self, micro_batches, epoch):
         """One optimizer step: this rank's share of the global batch, micro-batch by micro-batch."""
+        self.lr = self._learning_rate()
         for group in self.optimizer.param_groups:
-            group["lr"] = self._learning_rate()
+            group["lr"] = self.lr
         loss_sum = torch.zeros((), device=self.device)
         for i, (images, labels, index) in enumerate(micro_batches):
             x = to_input(images, self.device, augment=(index, epoch, self.args.seed))
@@ -213,8 +213,8 @@ class Trainer:
         size = self.args.batch_size
         # One loader for the epoch's micro-batches: on GPUs its workers read ahead across steps.
         batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
-        seed = self.args.seed + 1000 * epoch + rank
-        micro_batches = iter(loader(self.train_set, batches, self.device, seed))
+        worker_seed = self.args.seed + 1000 * epoch + rank
+        micro_batches = iter(loader(self.train_set, batches, self.device, worker_seed))
         # The loss summed on the device between log lines: no wait for the GPU per step.
         loss_sum = torch.zeros((), device=self.device)
         logged = self.step
@@ -230,7 +230,7 @@ class Trainer:
                 # .item() waits for the device: once per log line.
                 print0(
                     f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.last_step}"
-                    f" | loss {loss_sum.item() / samples:.4f} | lr {self._learning_rate():.4g}"
+                    f" | loss {loss_sum.item() / samples:.4f} | lr {self.lr:.4g}"
                     f" | {samples / (time.perf_counter() - start):.0f} samples/s"
                 )
                 loss_sum.zero_()
@@ -329,7 +329,7 @@ def main():
     ddp = setup()
     trainer = Trainer(args, ddp, get_data(args, ddp))
     print0(
-        f"start: data {trainer.dataset} | model {args.model} | world {ddp.world_size} | device "
+        f"start: data {trainer.data_name} | model {args.model} | world {ddp.world_size} | device "
         f"{ddp.device.type} | amp {trainer.amp} | batch {args.batch_size}/micro-batch, "
         f"{trainer.global_batch} global | lr {trainer.peak_lr:g} | steps {trainer.step}->"
         f"{trainer.last_step} of {trainer.total_steps}"
@@ -337,9 +337,9 @@ def main():
     start = time.perf_counter()
     loss, correct, count = trainer.train()
     print0(
-        f"done: data {trainer.dataset} | world {ddp.world_size} | steps {trainer.step} | test_loss "
-        f"{loss:.4f} | test_acc {100 * correct / count:.2f}% ({correct:.0f}/{count:.0f}) | time "
-        f"{time.perf_counter() - start:.1f}s"
+        f"done: data {trainer.data_name} | world {ddp.world_size} | steps {trainer.step} | "
+        f"test_loss {loss:.4f} | test_acc {100 * correct / count:.2f}% ({correct:.0f}/{count:.0f})"
+        f" | time {time.perf_counter() - start:.1f}s"
     )
     # DDP: drop the wrapper, then leave the process group.
     del trainer

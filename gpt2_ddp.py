@@ -57,9 +57,9 @@ def my_share(shard, step, global_batch, rank, world_size):
     """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
     r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
     them, the same windows on any world size. (-(-a // b) is a / b rounded up.)"""
-    first = -(-(step * global_batch - rank) // world_size)
-    last = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[first:last]
+    begin = -(-(step * global_batch - rank) // world_size)
+    end = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[begin:end]
 
 
 def pick_amp(choice, device):

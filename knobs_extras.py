@@ -90,10 +90,18 @@ def powersgd_state(state):
     return {"iter": state.iter, **saved}
 
 
-def load_powersgd_state(state, saved, device):
+def load_powersgd_state(model, state, saved, sample):
+    """Gives DDP model's PowerSGD state this process's saved one. The state is per gradient
+    bucket, and DDP regroups its buckets after the first backward: one backward first (on sample;
+    the fresh state's warm-up: a plain all-reduce), then back the BatchNorm statistics it moved."""
+    statistics = [b.clone() for b in model.module.buffers()]
+    model(sample).sum().backward()
+    for buffer, saved_buffer in zip(model.module.buffers(), statistics, strict=True):
+        buffer.copy_(saved_buffer)
+    model.zero_grad(set_to_none=True)
     state.iter = saved["iter"]
     for key in POWERSGD_TENSORS:
-        setattr(state, key, {i: t.to(device) for i, t in saved[key].items()})
+        setattr(state, key, {i: t.to(sample.device) for i, t in saved[key].items()})
 
 
 def optimizer_state_bytes(optimizer):

@@ -93,12 +93,12 @@ def make_dataset(samples, dim=20):
 
 
 def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
-    them, the same samples on any world size. (-(-a // b) is a / b rounded up.)"""
-    first = -(-(step * global_batch - rank) // world_size)
-    last = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[first:last]
+    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: shard[j] is position
+    r + jW. Step s trains positions sG .. (s+1)G - 1, so this rank's are shard[j] for ceil((sG -
+    r) / W) <= j < ceil(((s+1)G - r) / W): the same on any world size. -(-a // b) is ceil(a / b)."""
+    begin = -(-(step * global_batch - rank) // world_size)
+    end = -(-((step + 1) * global_batch - rank) // world_size)
+    return shard[begin:end]
 
 
 # The signal number of a stop request (SIGTERM, SIGUSR1) this process received; 0: none.
@@ -124,8 +124,7 @@ class Trainer:
         # The same initial weights in every process (DDP also copies rank 0's to all).
         torch.manual_seed(0)
         model = make_model(args.hidden, args.dropout).to(self.device)
-        # fused on the CPU too: a snapshot brings its optimizer settings back with it, so a
-        # non-fused CPU snapshot would make a resumed GPU run non-fused (docs/restarts.md).
+        # fused on the CPU too: a snapshot carries this setting into the run that resumes it.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         # DDP: each process draws a different 1/world_size of the shuffled samples.
         self.sampler = DistributedSampler(train_set, ddp.world_size, ddp.rank, shuffle=True)
@@ -134,7 +133,7 @@ class Trainer:
         if checkpoint:
             print0(
                 f"resumed: {self.path} | step {self.step} | epoch "
-                f"{self.step // self.steps_per_epoch + 1}/{args.epochs} | world "
+                f"{min(self.step // self.steps_per_epoch + 1, args.epochs)}/{args.epochs} | world "
                 f"{checkpoint['world_size']} -> {ddp.world_size}"
             )
         on_gpu = self.device.type == "cuda"
@@ -199,9 +198,8 @@ class Trainer:
                 f"({self.global_batch})",
                 rank0_only=True,
             )
-        self.total_steps = args.epochs * self.steps_per_epoch
-        if args.max_steps:
-            self.total_steps = min(self.total_steps, args.max_steps)
+        total_steps = args.epochs * self.steps_per_epoch
+        self.last_step = min(total_steps, args.max_steps or total_steps)
 
     def _run_batch(self, micro_batches):
         """One optimizer step on this rank's share of the global batch, in micro-batches."""
@@ -219,7 +217,7 @@ class Trainer:
                 (loss * self.ddp.world_size / self.global_batch).backward()
             loss_sum += loss.detach()
         self.optimizer.step()
-        return loss_sum * self.ddp.world_size / self.global_batch
+        return loss_sum
 
     def _steps_left(self, epoch):
         """Yield, for each step left in the epoch, this rank's share of its global batch, in
@@ -232,17 +230,17 @@ class Trainer:
         for step in range(self.step - epoch * self.steps_per_epoch, self.steps_per_epoch):
             share = my_share(shard, step, self.global_batch, self.ddp.rank, self.ddp.world_size)
             plan.append([share[i : i + size] for i in range(0, len(share), size)])
-        # Its own generator: a new DataLoader iterator draws a seed from the global random state
-        # otherwise, and a run resumed mid-epoch (a new loader) would draw it once more.
+        # Its own generator: else each new loader draws a seed from the global random state
+        # (dropout's), and a run resumed mid-epoch makes one loader more than an unbroken run.
         loader = DataLoader(
             self.train_set,
-            batch_sampler=[micro for step in plan for micro in step],
+            batch_sampler=[micro for micro_batches in plan for micro in micro_batches],
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator(),
         )
         batches = iter(loader)
-        for step in plan:
-            yield [next(batches) for _ in step]
+        for micro_batches in plan:
+            yield [next(batches) for _ in micro_batches]
 
     def _run_epoch(self, epoch):
         """Train the rest of the epoch; True when the ranks agreed to stop, or at the last step."""
@@ -255,14 +253,15 @@ class Trainer:
             loss_sum += self._run_batch(micro_batches)
             self.step += 1
             steps += 1
-            self._maybe_fail()
             stop = False
-            if self.step % args.log_every == 0 or self.step == self.total_steps:
+            if self.step % args.log_every == 0 or self.step == self.last_step:
                 samples = steps * self.global_batch
-                # .item() waits for the device: once per log line. (Rank 0's own loss.)
+                # DDP: add up every rank's loss: the mean over all samples since the last line.
+                dist.all_reduce(loss_sum)
+                # .item() waits for the device: once per log line.
                 print0(
-                    f"epoch {epoch + 1}/{args.epochs} | step {self.step}/{self.total_steps}"
-                    f" | loss {loss_sum.item() / steps:.4f}"
+                    f"epoch {epoch + 1}/{args.epochs} | step {self.step}/{self.last_step}"
+                    f" | loss {loss_sum.item() / samples:.4f}"
                     f" | {samples / (time.perf_counter() - start):.0f} samples/s"
                 )
                 loss_sum.zero_()
@@ -270,11 +269,12 @@ class Trainer:
                 start = time.perf_counter()
                 # Preemption: here, where the loop waits for the device anyway, the ranks agree
                 # whether any of them was signalled, and all stop at this same step.
-                stop = self.step < self.total_steps and self._agree_to_stop()
-            finished = stop or self.step == self.total_steps
-            # A snapshot at the end, every --save-every steps, and at every epoch's end.
-            every = args.save_every or self.steps_per_epoch
-            if finished or self.step % every == 0 or self.step % self.steps_per_epoch == 0:
+                stop = self.step < self.last_step and self._agree_to_stop()
+            self._maybe_fail()
+            finished = stop or self.step == self.last_step
+            # A snapshot at the end, at every epoch's end, and every --save-every steps.
+            epoch_end = self.step % self.steps_per_epoch == 0
+            if finished or epoch_end or (args.save_every and self.step % args.save_every == 0):
                 self._save_checkpoint()
             if finished:
                 return True
@@ -326,11 +326,11 @@ class Trainer:
         }
         # DDP: every process holds the same weights: rank 0 writes (atomically), the others wait.
         save_checkpoint(state, self.path)
-        print0(f"saved: {self.path} | step {self.step}/{self.total_steps}")
+        print0(f"saved: {self.path} | step {self.step}/{self.last_step}")
 
     def train(self):
         for epoch in range(self.step // self.steps_per_epoch, self.args.epochs):
-            if self.step >= self.total_steps or self._run_epoch(epoch):
+            if self.step >= self.last_step or self._run_epoch(epoch):
                 break
 
 
@@ -346,7 +346,7 @@ def main():
     print0(
         f"start: world {ddp.world_size} | backend {ddp.backend} | device {ddp.device.type} | "
         f"global batch {trainer.global_batch} | micro-batch {args.batch_size} | step "
-        f"{trainer.step}/{trainer.total_steps} | restart {trainer.restart}/"
+        f"{trainer.step}/{trainer.last_step} | restart {trainer.restart}/"
         f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)}"
     )
     start = time.perf_counter()
@@ -355,11 +355,11 @@ def main():
     if stop_signal:
         print0(
             f"preempted: signal {signal.Signals(stop_signal).name} | step "
-            f"{trainer.step}/{trainer.total_steps} | snapshot {trainer.path}"
+            f"{trainer.step}/{trainer.last_step} | snapshot {trainer.path}"
         )
     else:
         print0(
-            f"done: world {ddp.world_size} | steps {trainer.step}/{trainer.total_steps} | "
+            f"done: world {ddp.world_size} | steps {trainer.step}/{trainer.last_step} | "
             f"restarts {trainer.restart} | time {time.perf_counter() - start:.1f}s"
         )
     # DDP: drop the wrapper, then leave the process group.

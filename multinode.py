@@ -9,7 +9,7 @@ rank (0 .. processes per node - 1, unique on its node). The local rank picks the
 rank picks the data shard and who prints. Each node has its own disk: its local rank 0 stages the
 data there (copies it from shared storage, or writes the generated set) and writes its own copy
 of the checkpoint, and the ranks check that every node holds the same data and resumes from the
-same step. Lesson 1 (`ddp_mnist.py`) is the model; its DDP lines are marked `# DDP:` here too.
+same step. Lesson 1 (`ddp_mnist.py`) is the template; its DDP lines are marked `# DDP:` here too.
 Start it with torchrun, slurm/train.sbatch, slurm/train_srun.sbatch or ./launch_ddp.sh.
 """
 
@@ -87,12 +87,11 @@ def stage_data(args, ddp):
     """Puts DATA_FILE into this node's --data-dir, unless it is there already."""
     path = os.path.join(args.data_dir, DATA_FILE)
     # DDP: every node reads its own copy, from its own disk (node-local scratch: fast, and not
-    # a thousand ranks reading one shared file). Two rounds, a barrier after each: in the first
-    # only global rank 0 stages (on a shared disk it is then the only writer); in the second,
-    # local rank 0 of each node stages what its node still lacks. No two processes ever write
-    # one folder at once, node-local or shared.
-    for staging in (ddp.rank == 0, ddp.local_rank == 0):
-        if staging and not os.path.exists(path):
+    # a thousand ranks reading one shared file). Two rounds, a barrier after each: global rank
+    # 0's turn, then each node's local rank 0's, where its node still lacks the file. On a shared
+    # --data-dir the second round finds it there: one writer, not one per node.
+    for my_turn in (ddp.rank == 0, ddp.local_rank == 0):
+        if my_turn and not os.path.exists(path):
             # A copy that failed shows below, as this node's missing data.
             with contextlib.suppress(OSError):
                 os.makedirs(args.data_dir, exist_ok=True)
@@ -141,8 +140,9 @@ def get_data(args, ddp):
     if len(found) > 1 or "none" in found:
         copies = sorted({f"node {node} ({host}): {data}" for _, node, _, host, _, data in table})
         fail(
-            f"the nodes do not all hold the same {DATA_FILE} in --data-dir ({'; '.join(copies)}):"
-            " check --data-source on every node, or empty --data-dir to stage it again",
+            f"not every node holds the same readable {DATA_FILE} in --data-dir"
+            f" ({'; '.join(copies)}): check --data-source on every node, or empty --data-dir to"
+            " stage it again",
             code=1,
             rank0_only=True,
         )
@@ -162,15 +162,14 @@ class Trainer:
         model = make_model(x.shape[1], int(y.max()) + 1).to(self.device)
         self.on_gpu = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
-        # DDP: global step s trains positions s*G .. (s+1)*G - 1 of the epoch's shuffle, on any
-        # world size with the same global batch G.
+        # DDP: global step s trains positions s*G .. (s+1)*G - 1 of the epoch's shuffle (rank r
+        # holds positions r, r+W, ...), on any world size with the same global batch G.
         self.global_batch = args.batch_size * ddp.world_size
         self.steps_per_epoch = len(train_set) // self.global_batch
         if self.steps_per_epoch == 0:
             fail(f"{len(train_set)} samples: not one global batch of {self.global_batch}", 2, True)
-        self.total_steps = args.epochs * self.steps_per_epoch
-        if args.max_steps:
-            self.total_steps = min(self.total_steps, args.max_steps)
+        total_steps = args.epochs * self.steps_per_epoch
+        self.last_step = min(total_steps, args.max_steps or total_steps)
         # Before the DDP wrap: the checkpoint holds the bare model's weights.
         self.step = self._resume(model)
         # DDP: ddp.device is cuda:LOCAL_RANK: global rank 5 on node 1 of 4-GPU nodes is cuda:1.
@@ -210,7 +209,7 @@ class Trainer:
                 "--batch-size x world size",
                 rank0_only=True,
             )
-        epoch = step // self.steps_per_epoch + 1
+        epoch = min(step // self.steps_per_epoch + 1, self.args.epochs)
         print0(
             f"resumed: {path} | step {step} | epoch {epoch}/{self.args.epochs} | world "
             f"{ckpt['world_size']} -> {self.ddp.world_size}"
@@ -242,19 +241,19 @@ class Trainer:
             loss_sum += self._run_batch(x, y)
             self.step += 1
             steps += 1
-            if self.step % self.args.log_every == 0 or self.step == self.total_steps:
+            if self.step % self.args.log_every == 0 or self.step == self.last_step:
                 # DDP: every rank trained its batch: samples/s of the whole job.
                 samples = steps * self.global_batch
                 # .item() waits for the device: once per log line. (Rank 0's own loss.)
                 print0(
-                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.total_steps}"
+                    f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.last_step}"
                     f" | loss {loss_sum.item() / steps:.4f}"
                     f" | {samples / (time.perf_counter() - start):.0f} samples/s"
                 )
                 loss_sum.zero_()
                 steps = 0
                 start = time.perf_counter()
-            if self.step == self.total_steps:
+            if self.step == self.last_step:
                 break
 
     @torch.no_grad()
@@ -291,7 +290,7 @@ class Trainer:
 
     def train(self):
         loss, accuracy = None, None
-        while self.step < self.total_steps:
+        while self.step < self.last_step:
             epoch = self.step // self.steps_per_epoch
             self._run_epoch(epoch)
             loss, accuracy = self.evaluate()
@@ -308,7 +307,7 @@ class Trainer:
 @record
 def main():
     args = parse_args()
-    # DDP: join the group: torchrun or srun set RANK, LOCAL_RANK, WORLD_SIZE on every node.
+    # DDP: join the group: torchrun (or train_srun.sbatch) sets RANK, LOCAL_RANK, WORLD_SIZE.
     ddp = setup(args.backend)
     train_set, test_set, table = get_data(args, ddp)
     nodes = len({row[1] for row in table})
@@ -316,7 +315,7 @@ def main():
     print0(
         f"start: world {ddp.world_size} | nodes {nodes} | backend {ddp.backend} | device "
         f"{ddp.device.type} | batch {args.batch_size}/process, {trainer.global_batch} global | "
-        f"step {trainer.step}/{trainer.total_steps} | checkpoint {args.checkpoint_dir}/last.pt"
+        f"step {trainer.step}/{trainer.last_step} | checkpoint {args.checkpoint_dir}/last.pt"
     )
     start = time.perf_counter()
     loss, accuracy = trainer.train()

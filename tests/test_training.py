@@ -387,13 +387,14 @@ def test_samples_per_second_leaves_out_evaluation(runs):
 
 def test_the_learning_rate_is_scaled_to_the_global_batch_and_warmed_up(runs):
     """--lr is for a global batch of 256: 16 samples get 0.8 x 16/256, reached after the warm-up
-    (2 steps) and decayed along a cosine to 0 at the last step."""
+    (2 steps) and decayed along a cosine towards 0; each log line shows the rate of its step."""
     _, results = runs
     stdout = results["full_w2"][0]["stdout"]
     assert fields(stdout, "start:")[0]["lr"] == "0.05"
     lrs = [float(f["lr"]) for f in fields(stdout, "epoch") if "lr" in f]
-    # After step 5 (the next step's LR) and after step 10.
-    assert lrs == [pytest.approx(0.05 * 0.5 * (1 + math.cos(math.pi * 3 / 8)), rel=1e-3), 0]
+    # The rate the logged step used: step 5 (index 4) and step 10 (index 9) of 10, after 2 warm-up.
+    cosine = [0.05 * 0.5 * (1 + math.cos(math.pi * done / 8)) for done in (2, 7)]
+    assert lrs == [pytest.approx(lr, rel=1e-3) for lr in cosine]
 
 
 def test_checkpoint_contents_and_best_k(runs):
