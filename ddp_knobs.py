@@ -59,7 +59,7 @@ def parse_args():
 
 def build_optimizer(model, args):
     """Knob 1, --zero: AdamW, its state sharded over the processes (ZeRO-1)."""
-    # fused: one kernel for the whole update, on GPUs and CPUs (a checkpoint carries the setting).
+    # fused on GPUs and CPUs: a checkpoint saves this flag, and a GPU run resuming it inherits it.
     if args.zero:
         # DDP: each process keeps AdamW's two moments for its 1/world_size of the parameters,
         # updates that shard in step() and broadcasts it. Gradients are still all-reduced whole.

@@ -38,7 +38,7 @@ def parse_args():
     parser.add_argument("--model", default="resnet18", choices=["resnet18", "cnn", "cnn-bn"])
     parser.add_argument("--data", default="auto", choices=["auto", "cifar10", "synthetic"])
     parser.add_argument("--data-dir", default="./data", help="holds cifar-10-batches-py/")
-    parser.add_argument("--subset", type=positive_int, help="the first N training, N/5 test images")
+    parser.add_argument("--subset", type=positive_int, help="N images (10%% for val), N/5 test")
     parser.add_argument("--epochs", type=positive_int, default=30)
     parser.add_argument("--max-steps", type=positive_int, help="stop at step N (of --epochs)")
     parser.add_argument("--batch-size", type=positive_int, default=128, help="per micro-batch")
@@ -58,9 +58,9 @@ def parse_args():
 
 
 def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: shard[j] is position
-    r + jW. Step s trains positions sG .. (s+1)G - 1, so this rank's are shard[j] for ceil((sG -
-    r) / W) <= j < ceil(((s+1)G - r) / W): the same on any world size. -(-a // b) is ceil(a / b)."""
+    """DDP: rank r's part of step s, positions sG .. (s+1)G - 1 of the epoch's shuffle, which
+    DistributedSampler deals out rank by rank (shard[j] is position r + jW): the same samples on
+    any world size (G = 16, W = 3: 6, 5 and 5). -(-a // b) is ceil(a / b)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
     return shard[begin:end]
@@ -211,7 +211,7 @@ class Trainer:
         rank, world_size = self.ddp.rank, self.ddp.world_size
         shares = [my_share(shard, s - first, self.global_batch, rank, world_size) for s in steps]
         size = self.args.batch_size
-        # One loader for the epoch's micro-batches: on GPUs its workers read ahead across steps.
+        # The sampler only orders; one loader reads the epoch's micro-batches, prefetched on GPUs.
         batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
         worker_seed = self.args.seed + 1000 * epoch + rank
         micro_batches = iter(loader(self.train_set, batches, self.device, worker_seed))

@@ -54,9 +54,9 @@ def parse_args():
 
 
 def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: rank r holds positions
-    r, r+W, r+2W, ... Step s trains positions sG .. (s+1)G - 1; this returns this rank's part of
-    them, the same windows on any world size. (-(-a // b) is a / b rounded up.)"""
+    """DDP: rank r's part of step s, positions sG .. (s+1)G - 1 of the epoch's shuffle, which
+    DistributedSampler deals out rank by rank (shard[j] is position r + jW): the same windows on
+    any world size (G = 16, W = 3: 6, 5 and 5). -(-a // b) is ceil(a / b)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
     return shard[begin:end]

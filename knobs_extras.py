@@ -41,9 +41,8 @@ def synthetic_images(n_train=4096, n_test=1024):
 
 
 class CpuSyncBatchNorm(nn.BatchNorm2d):
-    """nn.SyncBatchNorm for CPU tensors, which it refuses. Forward all-reduces each channel's sum,
-    sum of squares and the sample count, backward their gradients; nn.SyncBatchNorm all-gathers
-    each process's mean, 1/std and count, then all-reduces two gradient sums in backward."""
+    """nn.SyncBatchNorm for CPU tensors, which it refuses: forward all-reduces each channel's sum,
+    sum of squares and the sample count; backward, their gradients."""
 
     def forward(self, x):
         if not self.training:

@@ -93,9 +93,9 @@ def make_dataset(samples, dim=20):
 
 
 def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: DistributedSampler deals the epoch's shuffle out rank by rank: shard[j] is position
-    r + jW. Step s trains positions sG .. (s+1)G - 1, so this rank's are shard[j] for ceil((sG -
-    r) / W) <= j < ceil(((s+1)G - r) / W): the same on any world size. -(-a // b) is ceil(a / b)."""
+    """DDP: rank r's part of step s, positions sG .. (s+1)G - 1 of the epoch's shuffle, which
+    DistributedSampler deals out rank by rank (shard[j] is position r + jW): the same samples on
+    any world size (G = 16, W = 3: 6, 5 and 5). -(-a // b) is ceil(a / b)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
     return shard[begin:end]
@@ -124,7 +124,7 @@ class Trainer:
         # The same initial weights in every process (DDP also copies rank 0's to all).
         torch.manual_seed(0)
         model = make_model(args.hidden, args.dropout).to(self.device)
-        # fused on the CPU too: a snapshot carries this setting into the run that resumes it.
+        # fused on CPUs too: a snapshot saves this flag, and a GPU run resuming it inherits it.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         # DDP: each process draws a different 1/world_size of the shuffled samples.
         self.sampler = DistributedSampler(train_set, ddp.world_size, ddp.rank, shuffle=True)
@@ -230,8 +230,8 @@ class Trainer:
         for step in range(self.step - epoch * self.steps_per_epoch, self.steps_per_epoch):
             share = my_share(shard, step, self.global_batch, self.ddp.rank, self.ddp.world_size)
             plan.append([share[i : i + size] for i in range(0, len(share), size)])
-        # Its own generator: else each new loader draws a seed from the global random state
-        # (dropout's), and a run resumed mid-epoch makes one loader more than an unbroken run.
+        # Its own generator: else every new loader draws from the global stream (dropout's), and
+        # a resumed run, which makes one loader more, would drift from an unbroken one.
         loader = DataLoader(
             self.train_set,
             batch_sampler=[micro for micro_batches in plan for micro in micro_batches],

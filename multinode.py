@@ -51,7 +51,7 @@ def parse_args():
     parser.add_argument("--data-dir", default="./data", help=f"node-local: {DATA_FILE} staged here")
     parser.add_argument("--samples", type=positive_int, default=32768, help="generated set size")
     parser.add_argument("--epochs", type=positive_int, default=5)
-    parser.add_argument("--max-steps", type=positive_int, help="stop at step N (counts resumed)")
+    parser.add_argument("--max-steps", type=positive_int, help="stop at step N (of --epochs)")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
     parser.add_argument("--seed", type=int, default=0, help="the generated data, init, shuffles")
