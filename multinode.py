@@ -87,23 +87,33 @@ def stage_data(args, ddp):
     """Puts DATA_FILE into this node's --data-dir, unless it is there already."""
     path = os.path.join(args.data_dir, DATA_FILE)
     # DDP: every node reads its own copy, from its own disk (node-local scratch: fast, and not
-    # a thousand ranks reading one shared file). Two rounds, a barrier after each: global rank
-    # 0's turn, then each node's local rank 0's, where its node still lacks the file. On a shared
-    # --data-dir the second round finds it there: one writer, not one per node.
-    for my_turn in (ddp.rank == 0, ddp.local_rank == 0):
-        if my_turn and not os.path.exists(path):
-            # A copy that failed shows below, as this node's missing data.
-            with contextlib.suppress(OSError):
-                os.makedirs(args.data_dir, exist_ok=True)
-                partial = f"{path}.{os.getpid()}.tmp"
-                if args.data_source:
-                    shutil.copyfile(args.data_source, partial)
-                else:
-                    torch.save(make_data(args.seed, args.samples), partial)
-                # Renamed when complete: a copy cut short is never taken for the data.
-                os.replace(partial, path)
-        dist.barrier()
+    # a thousand ranks reading one shared file). Two rounds, a barrier after each. First global
+    # rank 0 stages: on a shared --data-dir it is the only writer, and the second round finds
+    # the file there.
+    if ddp.rank == 0:
+        write_data(args, path)
+    dist.barrier()
+    # Then local rank 0 of every node stages what its own disk still lacks.
+    if ddp.local_rank == 0:
+        write_data(args, path)
+    dist.barrier()
     return path
+
+
+def write_data(args, path):
+    """Copies --data-source to path, or writes the generated set there, unless path exists."""
+    if os.path.exists(path):
+        return
+    # A copy that failed shows later, as this node's missing data.
+    with contextlib.suppress(OSError):
+        os.makedirs(args.data_dir, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        if args.data_source:
+            shutil.copyfile(args.data_source, partial)
+        else:
+            torch.save(make_data(args.seed, args.samples), partial)
+        # Renamed when complete: a copy cut short is never taken for the data.
+        os.replace(partial, path)
 
 
 def show_ranks(ddp, data):

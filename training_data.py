@@ -91,14 +91,16 @@ def read_cifar(data_dir):
 
 
 def fetch_cifar(data_dir):
-    """Download and unpack CIFAR-10 into data_dir, unless its files are there."""
+    """Download and unpack CIFAR-10 into data_dir, unless its files are there. A fetch that
+    fails (offline) shows later, when the ranks read the files."""
     paths = [os.path.join(data_dir, "cifar-10-batches-py", name) for name in CIFAR_FILES]
     if not all(os.path.isfile(path) for path in paths):
         from torchvision.datasets import CIFAR10
         from torchvision.datasets.utils import download_and_extract_archive
 
         # The archive's checksum is checked; nothing is unpickled here.
-        download_and_extract_archive(CIFAR10.url, data_dir, md5=CIFAR10.tgz_md5)
+        with contextlib.suppress(Exception):
+            download_and_extract_archive(CIFAR10.url, data_dir, md5=CIFAR10.tgz_md5)
 
 
 def get_data(args, ddp):
@@ -109,11 +111,12 @@ def get_data(args, ddp):
         # DDP: two rounds, a barrier after each: global rank 0 fetches, then each node's local
         # rank 0 fetches what its node still lacks (node-local disks: lesson 4 explains it). No
         # two processes ever write one folder at once, shared disk or not.
-        for fetching in (ddp.rank == 0, ddp.local_rank == 0):
-            if fetching:
-                with contextlib.suppress(Exception):
-                    fetch_cifar(args.data_dir)
-            dist.barrier()
+        if ddp.rank == 0:
+            fetch_cifar(args.data_dir)
+        dist.barrier()
+        if ddp.local_rank == 0:
+            fetch_cifar(args.data_dir)
+        dist.barrier()
         try:
             files = read_cifar(args.data_dir)
         except Exception as e:
