@@ -137,7 +137,7 @@ class Trainer:
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
         if ckpt["world_size"] == self.ddp.world_size:
-            # Each rank takes back its own random state (dropout, random augmentation).
+            # Each rank takes back its own random state (for dropout; these models draw none).
             rng = ckpt["rng"][self.ddp.rank]
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":

@@ -146,8 +146,8 @@ def get_data(args, ddp):
     table = show_ranks(ddp, data)
     # DDP: replicas trained on different data (a stale copy, a failed one) would still average
     # their gradients and finish: compare, and stop every rank at once.
-    found = {row[-1] for row in table}
-    if len(found) > 1 or "none" in found:
+    digests = {row[-1] for row in table}
+    if len(digests) > 1 or "none" in digests:
         copies = sorted({f"node {node} ({host}): {data}" for _, node, _, host, _, data in table})
         fail(
             f"not every node holds the same readable {DATA_FILE} in --data-dir"

@@ -173,8 +173,8 @@ BUGS = [
     (
         "lesson 4: a node's different copy of the data passes",
         "multinode.py",
-        'if len(found) > 1 or "none" in found:',
-        'if "none" in found:',
+        'if len(digests) > 1 or "none" in digests:',
+        'if "none" in digests:',
         [
             "tests/test_multinode.py::test_a_node_without_the_data_or_with_another_copy_stops_the_job_in_one_line"
         ],
