@@ -42,7 +42,7 @@ def parse_args():
     parser.add_argument("--epochs", type=positive_int, default=30)
     parser.add_argument("--max-steps", type=positive_int, help="stop at step N (of --epochs)")
     parser.add_argument("--batch-size", type=positive_int, default=128, help="per micro-batch")
-    parser.add_argument("--global-batch-size", type=positive_int, help="over all ranks")
+    parser.add_argument("--global-batch-size", type=positive_int, help="over all ranks; B x W")
     parser.add_argument("--lr", type=float, default=0.1, help="at a global batch of 256")
     parser.add_argument("--warmup-epochs", type=float, default=1.0, help="then cosine to 0")
     parser.add_argument("--clip-grad", type=float, help="max global gradient norm")
@@ -57,13 +57,13 @@ def parse_args():
     return parser.parse_args()
 
 
-def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: rank r's part of step s, positions sG .. (s+1)G - 1 of the epoch's shuffle, which
-    DistributedSampler deals out rank by rank (shard[j] is position r + jW): the same samples on
-    any world size (G = 16, W = 3: 6, 5 and 5). -(-a // b) is ceil(a / b)."""
+def my_share(mine, step, global_batch, rank, world_size):
+    """DDP: rank r's part of step s of the epoch, positions sG .. (s+1)G - 1 of its shuffle: as
+    mine[j] is position r + jW, j = ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1 (-(-a // b)
+    is ceil(a / b)). The same samples on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[begin:end]
+    return mine[begin:end]
 
 
 def pick_amp(choice, device):
@@ -96,7 +96,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
         self.step = 0
         self.best = []
-        self._plan_batches(self._resume(model))
+        checkpoint = self._resume(model)
+        self._plan_batches(checkpoint)
         # DDP: wrap the model; its backward averages the gradients of all processes.
         on_gpu = self.device.type == "cuda"
         self.model = DDP(model, device_ids=[self.device.index] if on_gpu else None)
@@ -107,7 +108,7 @@ class Trainer:
 
     def _resume(self, model):
         """--resume PATH|auto: every rank loads the checkpoint (to the CPU, before the DDP wrap)
-        and takes up its step, best-k, loss scale and random state. Returns its global batch."""
+        and takes up its step, best-k, loss scale and random state. Returns it, or {}."""
         path = self.args.resume
         if path == "auto":
             path = os.path.join(self.args.checkpoint_dir, "last.pt")
@@ -123,16 +124,13 @@ class Trainer:
             why = f"ranks found different checkpoints (step by rank: {found})"
             fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
         if not ckpt:
-            return None
-        saved = ckpt["global_batch"]
-        if self.args.global_batch_size not in (None, saved):
-            fail(f"{path} has a global batch of {saved}: use --global-batch-size {saved}", 2, True)
+            return ckpt
         self.step = ckpt["step"]
         # A file from elsewhere: its best-k entries name files to delete, so they must be numbers.
         try:
             self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
         except (TypeError, ValueError):
-            fail(f"{path}: its best-k list is not [accuracy, epoch] pairs", 1, True)
+            fail(f"{path}: its best-k list is not [accuracy, epoch] pairs", 1, rank0_only=True)
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -146,12 +144,16 @@ class Trainer:
             # The ranks' streams cannot be split anew for another world size: new ones.
             torch.manual_seed(self.args.seed + 1000 * self.step + self.ddp.rank)
         print0(f"resume: {path} at step {self.step}, saved by {ckpt['world_size']} ranks")
-        return saved
+        return ckpt
 
-    def _plan_batches(self, saved):
+    def _plan_batches(self, checkpoint):
         """G, samples per step over all ranks: --global-batch-size, the checkpoint's, or B x W."""
         args = self.args
-        self.global_batch = args.global_batch_size or saved or args.batch_size * self.ddp.world_size
+        saved = checkpoint.get("global_batch")
+        if saved and args.global_batch_size not in (None, saved):
+            why = f"the checkpoint's global batch is {saved}"
+            fail(f"{why}: use --global-batch-size {saved}", 2, rank0_only=True)
+        self.global_batch = saved or args.global_batch_size or args.batch_size * self.ddp.world_size
         if self.ddp.world_size > self.global_batch:
             # A rank without a sample would not join the step's all-reduce.
             fail(f"a global batch of {self.global_batch} leaves ranks without a sample", 2, True)
@@ -172,18 +174,20 @@ class Trainer:
         done = (self.step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         return self.peak_lr * 0.5 * (1 + math.cos(math.pi * done))
 
-    def _run_batch(self, micro_batches, epoch):
-        """One optimizer step: this rank's share of the global batch, micro-batch by micro-batch."""
+    def _run_batch(self, images, labels, index, epoch):
+        """One optimizer step on this rank's share of the global batch, in micro-batches."""
         self.lr = self._learning_rate()
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
+        # Micro-batches of --batch-size bound the activations' memory; the step trains them all.
+        size = self.args.batch_size
+        inputs = to_input(images, self.device, augment=(index, epoch, self.args.seed)).split(size)
+        targets = labels.to(self.device, non_blocking=True).split(size)
         loss_sum = torch.zeros((), device=self.device)
-        for i, (images, labels, index) in enumerate(micro_batches):
-            x = to_input(images, self.device, augment=(index, epoch, self.args.seed))
-            y = labels.to(self.device, non_blocking=True)
+        for i, (x, y) in enumerate(zip(inputs, targets, strict=True)):
             # DDP: only the step's last micro-batch all-reduces. no_sync must cover the forward
             # too: DDP decides in forward whether the coming backward all-reduces.
-            last = i == len(micro_batches) - 1
+            last = i == len(inputs) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with torch.autocast(self.device.type, self.amp_dtype, self.amp != "off"):
                     loss = F.cross_entropy(self.forward(x), y, reduction="sum")
@@ -205,23 +209,19 @@ class Trainer:
         # DDP: a new shuffle every epoch, the same in every process; without it every epoch
         # repeats epoch 0's order.
         self.sampler.set_epoch(epoch)
-        shard = list(self.sampler)
+        mine = list(self.sampler)
         first = epoch * self.steps_per_epoch
         steps = range(self.step, min(first + self.steps_per_epoch, self.last_step))
         rank, world_size = self.ddp.rank, self.ddp.world_size
-        shares = [my_share(shard, s - first, self.global_batch, rank, world_size) for s in steps]
-        size = self.args.batch_size
-        # The sampler only orders; one loader reads the epoch's micro-batches, prefetched on GPUs.
-        batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
-        worker_seed = self.args.seed + 1000 * epoch + rank
-        micro_batches = iter(loader(self.train_set, batches, self.device, worker_seed))
+        shares = [my_share(mine, s - first, self.global_batch, rank, world_size) for s in steps]
         # The loss summed on the device between log lines: no wait for the GPU per step.
         loss_sum = torch.zeros((), device=self.device)
         logged = self.step
         start = time.perf_counter()
-        for share in shares:
-            step_batches = [next(micro_batches) for _ in range(0, len(share), size)]
-            loss_sum += self._run_batch(step_batches, epoch)
+        # The sampler only orders: the loader reads each step's share, prefetched on GPUs.
+        worker_seed = self.args.seed + 1000 * epoch + rank
+        for images, labels, index in loader(self.train_set, shares, self.device, worker_seed):
+            loss_sum += self._run_batch(images, labels, index, epoch)
             self.step += 1
             if self.step % self.args.log_every == 0 or self.step == steps.stop:
                 samples = (self.step - logged) * self.global_batch

@@ -53,13 +53,13 @@ def parse_args():
     return parser.parse_args()
 
 
-def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: rank r's part of step s, positions sG .. (s+1)G - 1 of the epoch's shuffle, which
-    DistributedSampler deals out rank by rank (shard[j] is position r + jW): the same windows on
-    any world size (G = 16, W = 3: 6, 5 and 5). -(-a // b) is ceil(a / b)."""
+def my_share(mine, step, global_batch, rank, world_size):
+    """DDP: rank r's part of step s of the epoch, positions sG .. (s+1)G - 1 of its shuffle: as
+    mine[j] is position r + jW, j = ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1 (-(-a // b)
+    is ceil(a / b)). The same windows on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[begin:end]
+    return mine[begin:end]
 
 
 def pick_amp(choice, device):
@@ -151,16 +151,17 @@ class Trainer:
         print0(f"resume: {path} at step {ckpt['step']}, saved by {ckpt['world_size']} ranks")
         return ckpt["step"]
 
-    def _run_batch(self, micro_batches):
-        """One optimizer step: this rank's share of the global batch, micro-batch by micro-batch."""
+    def _run_batch(self, x, y):
+        """One optimizer step on this rank's share of the global batch, in micro-batches."""
         for group in self.optimizer.param_groups:
             group["lr"] = gpt2_model.lr_at(self.step, self.args.lr, self.total_steps)
+        # Micro-batches of --batch-size bound the activations' memory; the step trains them all.
+        inputs = x.to(self.device, non_blocking=True).split(self.args.batch_size)
+        targets = y.to(self.device, non_blocking=True).split(self.args.batch_size)
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+        for i, (x, y) in enumerate(zip(inputs, targets, strict=True)):
             # DDP: only the step's last micro-batch all-reduces (no_sync: one process has none).
-            last = i == len(micro_batches) - 1 or self.ddp.world_size == 1
+            last = i == len(inputs) - 1 or self.ddp.world_size == 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with torch.autocast(self.device.type, self.amp_dtype, self.amp != "off"):
                     # DDP: each window's mean loss, summed, x W/G: DDP averages the W ranks'
@@ -178,21 +179,20 @@ class Trainer:
         # DDP: a new shuffle every epoch, the same in every process; without it every epoch
         # repeats epoch 0's order.
         self.sampler.set_epoch(epoch)
-        shard = list(self.sampler)
+        mine = list(self.sampler)
         first = epoch * self.steps_per_epoch
         steps = range(self.step, min(first + self.steps_per_epoch, self.last_step))
         rank, world_size = self.ddp.rank, self.ddp.world_size
-        shares = [my_share(shard, s - first, self.global_batch, rank, world_size) for s in steps]
-        size = self.args.batch_size
-        batches = [share[i : i + size] for share in shares for i in range(0, len(share), size)]
+        shares = [my_share(mine, s - first, self.global_batch, rank, world_size) for s in steps]
+        # The sampler only orders: the loader reads each step's share.
         pin = self.device.type == "cuda"
-        micro_batches = iter(DataLoader(self.train_set, batch_sampler=batches, pin_memory=pin))
+        batches = DataLoader(self.train_set, batch_sampler=shares, pin_memory=pin)
         # The loss summed on the device between log lines: no wait for the GPU per step.
         loss_sum = torch.zeros((), device=self.device)
         logged = self.step
         start = time.perf_counter()
-        for share in shares:
-            loss_sum += self._run_batch([next(micro_batches) for _ in range(0, len(share), size)])
+        for x, y in batches:
+            loss_sum += self._run_batch(x, y)
             self.step += 1
             if self.step % self.args.log_every == 0 or self.step == steps.stop:
                 tokens = (self.step - logged) * self.global_batch * self.args.max_length

@@ -92,13 +92,13 @@ def make_dataset(samples, dim=20):
     return TensorDataset(x, y)
 
 
-def my_share(shard, step, global_batch, rank, world_size):
-    """DDP: rank r's part of step s, positions sG .. (s+1)G - 1 of the epoch's shuffle, which
-    DistributedSampler deals out rank by rank (shard[j] is position r + jW): the same samples on
-    any world size (G = 16, W = 3: 6, 5 and 5). -(-a // b) is ceil(a / b)."""
+def my_share(mine, step, global_batch, rank, world_size):
+    """DDP: rank r's part of step s of the epoch, positions sG .. (s+1)G - 1 of its shuffle: as
+    mine[j] is position r + jW, j = ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1 (-(-a // b)
+    is ceil(a / b)). The same samples on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
-    return shard[begin:end]
+    return mine[begin:end]
 
 
 # The signal number of a stop request (SIGTERM, SIGUSR1) this process received; 0: none.
@@ -201,17 +201,18 @@ class Trainer:
         total_steps = args.epochs * self.steps_per_epoch
         self.last_step = min(total_steps, args.max_steps or total_steps)
 
-    def _run_batch(self, micro_batches):
+    def _run_batch(self, x, y):
         """One optimizer step on this rank's share of the global batch, in micro-batches."""
         self.optimizer.zero_grad(set_to_none=True)
+        # Micro-batches of --batch-size bound the activations' memory; the step trains them all.
+        inputs = x.to(self.device, non_blocking=True).split(self.args.batch_size)
+        targets = y.to(self.device, non_blocking=True).split(self.args.batch_size)
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+        for i, (x, y) in enumerate(zip(inputs, targets, strict=True)):
             # DDP: no_sync keeps the gradients local; the last micro-batch's backward all-reduces
             # their sum. Sum x W/G: DDP's average over W ranks is then the mean over the G samples,
             # whatever the share of each rank.
-            last = i == len(micro_batches) - 1
+            last = i == len(inputs) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = F.mse_loss(self.model(x), y, reduction="sum")
                 (loss * self.ddp.world_size / self.global_batch).backward()
@@ -220,27 +221,21 @@ class Trainer:
         return loss_sum
 
     def _steps_left(self, epoch):
-        """Yield, for each step left in the epoch, this rank's share of its global batch, in
-        micro-batches of at most --batch-size."""
+        """This rank's share of each step left in the epoch, one batch per step."""
         # DDP: the epoch's shuffle: the same on every rank and in every attempt.
         self.sampler.set_epoch(epoch)
-        shard = list(self.sampler)
-        size = self.args.batch_size
-        plan = []
-        for step in range(self.step - epoch * self.steps_per_epoch, self.steps_per_epoch):
-            share = my_share(shard, step, self.global_batch, self.ddp.rank, self.ddp.world_size)
-            plan.append([share[i : i + size] for i in range(0, len(share), size)])
+        mine = list(self.sampler)
+        steps = range(self.step - epoch * self.steps_per_epoch, self.steps_per_epoch)
+        rank, world_size = self.ddp.rank, self.ddp.world_size
+        shares = [my_share(mine, s, self.global_batch, rank, world_size) for s in steps]
         # Its own generator: else every new loader draws from the global stream (dropout's), and
         # a resumed run, which makes one loader more, would drift from an unbroken one.
-        loader = DataLoader(
+        return DataLoader(
             self.train_set,
-            batch_sampler=[micro for micro_batches in plan for micro in micro_batches],
+            batch_sampler=shares,
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator(),
         )
-        batches = iter(loader)
-        for micro_batches in plan:
-            yield [next(batches) for _ in micro_batches]
 
     def _run_epoch(self, epoch):
         """Train the rest of the epoch; True when the ranks agreed to stop, or at the last step."""
@@ -249,8 +244,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         steps = 0
         start = time.perf_counter()
-        for micro_batches in self._steps_left(epoch):
-            loss_sum += self._run_batch(micro_batches)
+        for x, y in self._steps_left(epoch):
+            loss_sum += self._run_batch(x, y)
             self.step += 1
             steps += 1
             stop = False

@@ -148,14 +148,15 @@ def get_data(args, ddp):
     return name, train_set, TensorDataset(x[val], y[val]), TensorDataset(test_x, test_y)
 
 
-def loader(dataset, batch_sampler, device, seed):
-    """The batches of dataset that batch_sampler lists, read ahead by worker processes on GPUs
-    and pinned, so their copies to the GPU overlap compute. The workers' seeds come from a
-    generator of its own, not from the global one (dropout's, which a checkpoint holds)."""
+def loader(dataset, batches, device, seed):
+    """The batches of dataset that batches lists by index (lesson 2: a rank's share per step),
+    read ahead by worker processes on GPUs and pinned, so their copies to the GPU overlap
+    compute. The workers' seeds come from a generator of its own, not from the global one
+    (dropout's, which a checkpoint holds)."""
     on_gpu = device.type == "cuda"
     return DataLoader(
         dataset,
-        batch_sampler=batch_sampler,
+        batch_sampler=batches,
         num_workers=4 if on_gpu else 0,
         pin_memory=on_gpu,
         generator=torch.Generator().manual_seed(seed),

@@ -20,8 +20,8 @@ import multi_gpu_torchrun  # noqa: E402
 
 
 def slowed(run_batch, seconds):
-    def run_batch_then_sleep(self, micro_batches):
-        loss = run_batch(self, micro_batches)
+    def run_batch_then_sleep(self, *batch):
+        loss = run_batch(self, *batch)
         time.sleep(seconds)
         return loss
 
