@@ -56,7 +56,6 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
     elif "OMP_NUM_THREADS" not in env:
         # CPU ranks share the cores: a full thread pool each would oversubscribe them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    seconds = timeout_s or float(env.get("DDP_TIMEOUT", 600))
     store = None
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun may hand a restarted attempt the old store, holding dead peers' addresses:
@@ -69,7 +68,7 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
             backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=seconds),
+            timeout=datetime.timedelta(seconds=timeout_s or float(env.get("DDP_TIMEOUT", 600))),
             device_id=device if device.type == "cuda" else None,
             store=store,
         )
@@ -83,8 +82,9 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
 def pick_device(local_rank, local_world_size, backend="auto"):
     """The local rank's GPU when this node has one per process, else the CPU and gloo."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    # srun --gpus-per-task shows each task its own GPU only, as cuda:0 (no torchrun in between).
-    bound = gpus == 1 and "SLURM_PROCID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    # srun --gpus-per-task shows each task its own GPU, as cuda:0 (RANK from srun, not mp.spawn).
+    srun = "RANK" in os.environ and "SLURM_PROCID" in os.environ
+    bound = gpus == 1 and srun and "TORCHELASTIC_RUN_ID" not in os.environ
     if gpus >= local_world_size or bound:
         # The LOCAL rank: on node 1 of two 8-GPU nodes the global ranks are 8..15, GPUs 0..7.
         device = torch.device("cuda", 0 if bound else local_rank)

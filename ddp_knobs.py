@@ -47,7 +47,7 @@ def parse_args():
     parser.add_argument("--max-steps", type=positive_int, help="stop after N steps (a quick run)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="for last.pt")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints/lesson7", help="for last.pt")
     parser.add_argument("--resume", metavar="PATH|auto", help="a checkpoint; auto: DIR/last.pt")
     parser.add_argument("--log-every", type=positive_int, default=50, help="steps per log line")
     args = parser.parse_args()
@@ -59,7 +59,7 @@ def parse_args():
 
 def build_optimizer(model, args):
     """Knob 1, --zero: AdamW, its state sharded over the processes (ZeRO-1)."""
-    # fused on GPUs and CPUs: a checkpoint saves this flag, and a GPU run resuming it inherits it.
+    # fused on GPUs and CPUs: a checkpoint keeps the flag, so a CPU one resumes fused on a GPU.
     if args.zero:
         # DDP: each process keeps AdamW's two moments for its 1/world_size of the parameters,
         # updates that shard in step() and broadcasts it. Gradients are still all-reduced whole.
@@ -205,15 +205,15 @@ class Trainer:
         # With node-local disks some ranks may not see the file: compare what each found.
         dist.all_gather_object(found, None if ckpt is None else ckpt["step"])
         if len(set(found)) > 1:
-            fail(
-                f"ranks found different checkpoints (step by rank: {found}): give every rank "
-                "the same one, or remove them all",
-                code=1,
-                rank0_only=True,
-            )
+            why = f"ranks found different checkpoints (step by rank: {found})"
+            fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
         if ckpt is None:
             print0(f"resume: no {path} yet; starting from scratch")
             return
+        if ckpt["world_size"] != self.ddp.world_size:
+            # A step is B x W samples here (lesson 1's loader): on another W, other samples.
+            why = f"{path} was saved by {ckpt['world_size']} processes"
+            fail(f"{why}: resume it on as many (lesson 2 resumes on any)", 2, rank0_only=True)
         self.step = ckpt["step"]
         if self.args.zero:
             # ZeRO's load_state_dict leaves AdamW's `step` on the CPU, where fused AdamW on a GPU
@@ -225,8 +225,8 @@ class Trainer:
         print0(f"resume: {path} at step {self.step}")
 
     def _restore_powersgd(self, saved):
-        if saved is None or len(saved) != self.ddp.world_size:
-            print0(f"warning: no PowerSGD state for {self.ddp.world_size} processes: it restarts")
+        if saved is None:
+            print0("warning: the checkpoint holds no PowerSGD state: it restarts")
             return
         sample = self.test_set.tensors[0][:2].to(self.device)
         knobs_extras.load_powersgd_state(self.model, self.powersgd, saved[self.ddp.rank], sample)

@@ -49,7 +49,7 @@ def parse_args():
     parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     parser.add_argument("--seed", type=int, default=0, help="weights, data order, augmentation")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="for last.pt, best-*")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints/lesson2", help="last.pt, best-*")
     parser.add_argument("--resume", metavar="PATH|auto", help="auto: DIR/last.pt if it exists")
     parser.add_argument("--save-every", type=positive_int, help="also save last.pt every N steps")
     parser.add_argument("--keep-best", type=positive_int, default=1, help="checkpoints by val_acc")
@@ -94,7 +94,6 @@ class Trainer:
         )
         # fp16's small gradients underflow unless the loss is scaled up; bf16's do not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
-        self.step = 0
         self.best = []
         checkpoint = self._resume(model)
         self._plan_batches(checkpoint)
@@ -123,9 +122,17 @@ class Trainer:
         if len(set(found)) > 1:
             why = f"ranks found different checkpoints (step by rank: {found})"
             fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
+        self.step = ckpt.get("step", 0)
+        # Each rank a random stream of its own (dropout's; these models draw none), seeded by the
+        # step; on the same world size each takes back the one it saved (a CPU run's: no CUDA's).
+        torch.manual_seed(self.args.seed + 1000 * self.step + self.ddp.rank)
+        if ckpt.get("world_size") == self.ddp.world_size:
+            rng = ckpt["rng"][self.ddp.rank]
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"])
         if not ckpt:
             return ckpt
-        self.step = ckpt["step"]
         # A file from elsewhere: its best-k entries name files to delete, so they must be numbers.
         try:
             self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
@@ -134,15 +141,6 @@ class Trainer:
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
-        if ckpt["world_size"] == self.ddp.world_size:
-            # Each rank takes back its own random state (for dropout; these models draw none).
-            rng = ckpt["rng"][self.ddp.rank]
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"])
-        else:
-            # The ranks' streams cannot be split anew for another world size: new ones.
-            torch.manual_seed(self.args.seed + 1000 * self.step + self.ddp.rank)
         print0(f"resume: {path} at step {self.step}, saved by {ckpt['world_size']} ranks")
         return ckpt
 

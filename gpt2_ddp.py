@@ -2,7 +2,7 @@
 --resume), then mp.spawn starts worker(rank) per GPU: each trains its share of every global batch
 and leaves the group; rank 0 then exports for Hugging Face. GPT-2 itself is in gpt2_model.py.
 
-    python gpt2_ddp.py --nproc 2 --init-from gpt2 --text FILE --export-hf out/
+    python gpt2_ddp.py --init-from gpt2 --text FILE --lr 1e-4 --export-hf out/
 """
 
 import contextlib
@@ -46,7 +46,7 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=6e-4, help="peak lr (fine-tuning: 1e-4)")
     parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="for last.pt")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints/lesson5", help="for last.pt")
     parser.add_argument("--resume", metavar="PATH|auto", help="auto: DIR/last.pt if it exists")
     parser.add_argument("--export-hf", metavar="DIR", help="at the end: a transformers model")
     parser.add_argument("--log-every", type=positive_int, default=10, help="steps per log line")
@@ -84,7 +84,7 @@ def prepare(args, world_size):
     if args.resume == "auto":
         args.resume = os.path.join(args.checkpoint_dir, "last.pt")
         if not os.path.isfile(args.resume):
-            print0(f"resume: no {args.resume} yet; starting from scratch")
+            print0(f"resume: no {args.resume} yet; starting at step 0")
             args.resume = None
     saved = load_checkpoint(args.resume) if args.resume else {}
     # G, windows per step over all ranks: the flag, the checkpoint's, or batch x world size.
@@ -232,7 +232,7 @@ class Trainer:
             "epoch": self.step // self.steps_per_epoch,
             "global_batch": self.global_batch,
             "world_size": self.ddp.world_size,
-            # A resume must cut the same windows; the config rebuilds the model.
+            # A resume must cut the same windows; the config lets any script rebuild the model.
             "max_length": self.args.max_length,
             "config": vars(self.bare.config),
         }

@@ -98,7 +98,7 @@ class LMHeadLoss(torch.autograd.Function):
                 probs = logits.sub_(lse[:, None]).exp_()
                 probs[torch.arange(len(ts), device=ts.device), ts] -= 1
                 dxs.copy_(probs @ w)
-                # Under autocast: bf16 products, summed in fp32.
+                # Under autocast: bf16 or fp16 products, summed in fp32.
                 ctx.dw += probs.t() @ xs
         return loss / len(x)
 

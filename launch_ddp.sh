@@ -25,16 +25,16 @@ it to Slurm. Options:
   --master-addr HOST    static rendezvous: address of node rank 0, reachable from every node
   --master-port PORT    static rendezvous port on node 0 (default 29500)
   --rdzv-endpoint HOST[:PORT]
-                        c10d rendezvous instead: the same command on every node; node ranks are
-                        handed out as nodes join (HOST is one of the nodes; default port 29400)
+                        c10d rendezvous instead: the same command on every node; node ranks
+                        follow the nodes' addresses (HOST is one of the nodes; default port 29400)
   --rdzv-id ID          c10d rendezvous id, the same on every node of one job (default ddp-course)
   --max-restarts N      torchrun restarts the workers up to N times after a failure (default 0);
                         pass --resume auto to the script so that they continue from the snapshot.
                         Several nodes: only with --rdzv-endpoint (static rendezvous cannot)
   --slurm               submit with sbatch slurm/train.sbatch (one torchrun per node);
-                        --nnodes sets --nodes, --nproc sets NPROC_PER_NODE
+                        --nnodes sets --nodes, --nproc sets NPROC_PER_NODE and --gpus-per-node
   --slurm-srun          submit with sbatch slurm/train_srun.sbatch (one srun task per GPU,
-                        no torchrun); --nproc sets --ntasks-per-node
+                        no torchrun); --nproc sets --ntasks-per-node and --gpus-per-node
   --debug               verbose distributed logs: NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET,
                         TORCH_DISTRIBUTED_DEBUG=INFO, TORCH_CPP_LOG_LEVEL=INFO,
                         TORCH_SHOW_CPP_STACKTRACES=1, LOGLEVEL=INFO
@@ -108,6 +108,8 @@ if [[ $MODE != torchrun ]]; then
     # (set -u: "unbound variable").
     OPTS=()
     [[ $NNODES_SET == 1 ]] && OPTS+=(--nodes="$NNODES")
+    # One GPU per process: the scripts' #SBATCH --gpus-per-node=2 would leave the rest on CPUs.
+    [[ -z $NPROC ]] || OPTS+=(--gpus-per-node="$NPROC")
     if [[ $MODE == slurm ]]; then
         EXPORT=ALL${NPROC:+,NPROC_PER_NODE=$NPROC}
         [[ $MAX_RESTARTS == 0 ]] || EXPORT+=,MAX_RESTARTS=$MAX_RESTARTS
@@ -126,7 +128,7 @@ if [[ -z $NPROC ]]; then
     # nvidia-smi lists every GPU of the machine; CUDA_VISIBLE_DEVICES may allow only some ("0,1"),
     # or none (empty). One process per GPU this process may use.
     NPROC=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
-    if [[ -v CUDA_VISIBLE_DEVICES ]]; then
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then  # set, even empty (not -v: bash >= 4.2 only)
         IFS=, read -ra VISIBLE <<<"$CUDA_VISIBLE_DEVICES"
         [[ ${#VISIBLE[@]} -lt $NPROC ]] && NPROC=${#VISIBLE[@]}
     fi

@@ -124,7 +124,7 @@ class Trainer:
         # The same initial weights in every process (DDP also copies rank 0's to all).
         torch.manual_seed(0)
         model = make_model(args.hidden, args.dropout).to(self.device)
-        # fused on CPUs too: a snapshot saves this flag, and a GPU run resuming it inherits it.
+        # fused on CPUs too: a snapshot keeps the flag, so a CPU one resumes fused on a GPU.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         # DDP: each process draws a different 1/world_size of the shuffled samples.
         self.sampler = DistributedSampler(train_set, ddp.world_size, ddp.rank, shuffle=True)
@@ -154,22 +154,16 @@ class Trainer:
         # With node-local disks some ranks may not see the file: compare what each found.
         dist.all_gather_object(found, self.step if checkpoint else None)
         if len(set(found)) > 1:
-            fail(
-                f"ranks found different checkpoints (step by rank: {found}): give every rank "
-                "the same one, or remove them all",
-                code=1,
-                rank0_only=True,
-            )
+            why = f"ranks found different checkpoints (step by rank: {found})"
+            fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
+        # DDP: each rank a random stream of its own (dropout draws differ by rank), seeded by the
+        # step; on the same world size each takes back the one it saved (a CPU run's: no CUDA's).
+        torch.manual_seed(1000 * self.step + ddp.rank)
         if checkpoint and checkpoint["world_size"] == ddp.world_size:
-            # DDP: each rank takes its own random state back (dropout draws differ by rank).
             rng = checkpoint["rng"][ddp.rank]
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"])
-        else:
-            # A fresh start, or another world size (the ranks' streams cannot be split anew):
-            # each rank a stream of its own, seeded by the step.
-            torch.manual_seed(1000 * self.step + ddp.rank)
         return checkpoint
 
     def _plan_batches(self, checkpoint):
@@ -220,7 +214,7 @@ class Trainer:
         self.optimizer.step()
         return loss_sum
 
-    def _steps_left(self, epoch):
+    def _batches_left(self, epoch):
         """This rank's share of each step left in the epoch, one batch per step."""
         # DDP: the epoch's shuffle: the same on every rank and in every attempt.
         self.sampler.set_epoch(epoch)
@@ -244,7 +238,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         steps = 0
         start = time.perf_counter()
-        for x, y in self._steps_left(epoch):
+        for x, y in self._batches_left(epoch):
             loss_sum += self._run_batch(x, y)
             self.step += 1
             steps += 1

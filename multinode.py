@@ -55,7 +55,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
     parser.add_argument("--seed", type=int, default=0, help="the generated data, init, shuffles")
-    parser.add_argument("--checkpoint-dir", default="./checkpoints", help="node-local: last.pt")
+    parser.add_argument("--checkpoint-dir", default="./checkpoints/lesson4", help="node-local")
     parser.add_argument("--resume", metavar="PATH|auto", help="auto: CHECKPOINT_DIR/last.pt if any")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     parser.add_argument("--log-every", type=positive_int, default=50, help="steps per log line")
@@ -104,8 +104,8 @@ def write_data(args, path):
     """Copies --data-source to path, or writes the generated set there, unless path exists."""
     if os.path.exists(path):
         return
-    # A copy that failed shows later, as this node's missing data.
-    with contextlib.suppress(OSError):
+    # A copy that failed (torch.save's full disk: RuntimeError) shows later, as missing data.
+    with contextlib.suppress(OSError, RuntimeError):
         os.makedirs(args.data_dir, exist_ok=True)
         partial = f"{path}.{os.getpid()}.tmp"
         if args.data_source:
@@ -202,12 +202,8 @@ class Trainer:
         # With node-local disks some ranks may not see the file: compare what each found.
         dist.all_gather_object(found, step)
         if len(set(found)) > 1:
-            fail(
-                f"ranks found different checkpoints (step by rank: {found}): give every node "
-                "the same one, or remove them all",
-                code=1,
-                rank0_only=True,
-            )
+            why = f"ranks found different checkpoints (step by rank: {found})"
+            fail(f"{why}: give every node the same one, or remove them all", 1, rank0_only=True)
         if step is None:
             if self.args.resume:
                 print0(f"resume: no {self.args.checkpoint_dir}/last.pt yet; starting from scratch")
@@ -294,7 +290,7 @@ class Trainer:
             "world_size": self.ddp.world_size,
         }
         # DDP: local rank 0 of EVERY node writes its node's copy, so each node resumes from its
-        # own disk. (On a shared disk they write the same bytes, each atomically.)
+        # own disk. (On a shared disk they write the same tensors, each atomically.)
         path = os.path.join(self.args.checkpoint_dir, "last.pt")
         save_checkpoint(state, path, writer=self.ddp.local_rank == 0)
 

@@ -588,7 +588,7 @@ BASH = [b for b in BLOCKS if b.lang == "bash"]
 # the scheduler (pytest_xdist_make_scheduler) gives it to the worker that runs that module.
 REUSED_RUNS = {
     "python ddp_minimal.py": "tests/test_minimal.py",
-    "python gpt2_ddp.py --nproc 2 --init-from gpt2": "tests/test_gpt2.py",
+    "python gpt2_ddp.py --init-from gpt2": "tests/test_gpt2.py",
     "ddp_knobs.py --zero": "tests/test_knobs.py",
     "ddp_debug.py": "tests/test_debug.py",
     "python ddp_benchmark.py": "tests/test_benchmark.py",

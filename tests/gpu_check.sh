@@ -59,6 +59,10 @@ check l4_launch ./launch_ddp.sh multinode.py --epochs 2 --data-dir "$C/l4data" -
 L5=(gpt2_ddp.py --nproc "$N" --preset tiny --tokenizer bytes --text README.md --max-steps 20)
 check l5_fp16_scaler "$PY" "${L5[@]}" --amp "$FP16" --checkpoint-dir "$C/l5fp16"
 check l5_bf16_compile "$PY" "${L5[@]}" --amp "$BF16" --compile --checkpoint-dir "$C/l5compile"
+# mp.spawn inside a one-GPU srun task: its 2 workers must not both take cuda:0 (NCCL refuses two
+# ranks on one GPU): the CPU and gloo, with one warning (ddp_common.pick_device).
+check l5_spawn_in_a_one_gpu_srun_task env CUDA_VISIBLE_DEVICES=0 SLURM_PROCID=0 "$PY" gpt2_ddp.py \
+    --nproc 2 --preset tiny --tokenizer bytes --text README.md --max-steps 5 --checkpoint-dir "$C/l5srun"
 check l5_chunked_loss "$PY" -c "
 import torch, torch.nn.functional as F
 from gpt2_model import LMHeadLoss

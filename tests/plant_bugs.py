@@ -61,6 +61,16 @@ BUGS = [
         ["tests/test_common.py::test_torchrun_shared_store_gets_one_namespace_per_attempt"],
     ),
     (
+        "helper: mp.spawn's workers under srun bound to its one GPU",
+        "ddp_common.py",
+        "bound = gpus == 1 and srun and",
+        'bound = gpus == 1 and "SLURM_PROCID" in os.environ and',
+        [
+            "tests/test_common.py::"
+            "test_one_gpu_bound_per_srun_task_is_cuda_0_but_two_torchrun_ranks_never_share_it"
+        ],
+    ),
+    (
         "lesson 2: the loss not scaled by W/G",
         "ddp_training.py",
         "self.scaler.scale(loss * self.ddp.world_size / self.global_batch)",
@@ -105,6 +115,27 @@ BUGS = [
         ["tests/test_training.py::test_a_resume_on_the_same_world_size_continues_bitwise"],
     ),
     (
+        "lesson 2: every rank draws one random stream",
+        "ddp_training.py",
+        "torch.manual_seed(self.args.seed + 1000 * self.step + self.ddp.rank)",
+        "torch.manual_seed(self.args.seed + 1000 * self.step)",
+        ["tests/test_training.py::test_a_resume_on_the_same_world_size_continues_bitwise"],
+    ),
+    (
+        "lessons 2 and 7 share a checkpoint folder",
+        "ddp_knobs.py",
+        'default="./checkpoints/lesson7"',
+        'default="./checkpoints/lesson2"',
+        ["tests/test_style.py::test_each_lesson_that_resumes_has_a_checkpoint_folder_of_its_own"],
+    ),
+    (
+        "lesson 7: a checkpoint of another world size resumed",
+        "ddp_knobs.py",
+        'if ckpt["world_size"] != self.ddp.world_size:',
+        "if False:",
+        ["tests/test_knobs.py::test_a_resume_on_another_world_size_is_refused_in_one_line"],
+    ),
+    (
         "lesson 2: CIFAR read with plain pickle",
         "training_data.py",
         'entry = ArraysOnly(f, encoding="latin1").load()',
@@ -119,6 +150,13 @@ BUGS = [
         [
             "tests/test_elastic.py::test_the_same_command_resumes_on_4_3_and_1_ranks_at_the_next_sample"
         ],
+    ),
+    (
+        "lesson 3: every rank draws one random stream",
+        "multi_gpu_torchrun.py",
+        "torch.manual_seed(1000 * self.step + ddp.rank)",
+        "torch.manual_seed(1000 * self.step)",
+        ["tests/test_torchrun_restart.py::test_uninterrupted_run_learns_and_saves_the_schema"],
     ),
     (
         "lesson 3: a preempted run exits 0",

@@ -144,11 +144,17 @@ def test_fewer_gpus_than_processes_runs_on_the_cpu_with_one_warning(
 
 def test_one_gpu_bound_per_srun_task_is_cuda_0_but_two_torchrun_ranks_never_share_it(monkeypatch):
     """srun --gpus-per-task (no torchrun): each task sees only its own GPU, as cuda:0. Two local
-    ranks of torchrun that see one GPU (CUDA_VISIBLE_DEVICES=0) would both take cuda:0 and NCCL
-    would fail ("Duplicate GPU detected"): they run on the CPU instead, with a warning."""
+    ranks of torchrun or mp.spawn that see one GPU (CUDA_VISIBLE_DEVICES=0) would both take
+    cuda:0 and NCCL would fail ("Duplicate GPU detected"): they run on the CPU instead, with a
+    warning."""
     fake_gpus(monkeypatch, 1, visible="3")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_PROCID", "5")
+    # mp.spawn's workers inside one srun task (lesson 5 --nproc 2 on a 1-GPU allocation): no
+    # RANK in their environment, they share the one GPU like torchrun's: the CPU.
+    monkeypatch.delenv("RANK", raising=False)
+    assert ddp_common.pick_device(1, 2)[0] == torch.device("cpu")
+    monkeypatch.setenv("RANK", "5")  # slurm/train_srun.sbatch: RANK=$SLURM_PROCID
     assert ddp_common.pick_device(1, 4) == (torch.device("cuda", 0), "nccl")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert ddp_common.pick_device(1, 2)[0] == torch.device("cpu")

@@ -444,7 +444,7 @@ def test_each_global_batch_is_dealt_out_whole_on_any_world_size():
 # ----------------------------------------------------------------------------- the README's run
 
 
-README_RUN = "python gpt2_ddp.py --nproc 2 --init-from gpt2"
+README_RUN = "python gpt2_ddp.py --init-from gpt2"
 
 
 @pytest.mark.slow
@@ -460,7 +460,7 @@ def test_spawn_launch_trains_saves_and_rank0_exports_alone(readme_run):
     (start,) = lines_of(result.stdout, "start:")
     (done,) = lines_of(result.stdout, "done:")
     assert start["world"] == "2" and done["steps"] == "20"
-    ckpt = torch.load(result.cwd / "checkpoints" / "last.pt", weights_only=True)
+    ckpt = torch.load(result.cwd / "checkpoints" / "lesson5" / "last.pt", weights_only=True)
     assert ckpt["step"] == 20 and ckpt["world_size"] == 2 and ckpt["global_batch"] == 16
     losses = val_losses(result.stdout)
     assert list(losses) == [0, 20] and float(done["val_loss"]) == losses[20]
@@ -497,7 +497,7 @@ def test_one_process_resumes_a_checkpoint_saved_without_fp16_under_fp16(readme_r
         *("--nproc", "1", "--text", cwd / "README.md", "--tokenizer", "bytes", "--lr", "1e-4"),
         *("--max-length", "64", "--batch-size", "8", "--epochs", "3", "--max-steps", "21"),
         *("--amp", "fp16", "--compile", "--log-every", "1", "--checkpoint-dir", tmp_path / "ck"),
-        *("--resume", cwd / "checkpoints" / "last.pt"),
+        *("--resume", cwd / "checkpoints" / "lesson5" / "last.pt"),
         timeout=TIMEOUT,
         env=env,
     )
@@ -505,7 +505,7 @@ def test_one_process_resumes_a_checkpoint_saved_without_fp16_under_fp16(readme_r
     assert "at step 20, saved by 2 ranks" in result.stdout
     (start,) = lines_of(result.stdout, "start:")
     assert start["amp"] == "fp16" and start["world"] == "1"
-    saved = torch.load(cwd / "checkpoints" / "last.pt", weights_only=True)
+    saved = torch.load(cwd / "checkpoints" / "lesson5" / "last.pt", weights_only=True)
     ckpt = torch.load(tmp_path / "ck" / "last.pt", weights_only=True)
     assert saved["scaler"] == {} and ckpt["scaler"]["scale"] > 0 and ckpt["step"] == 21
     train, _ = gpt2_model.encode_text(cwd / "README.md", gpt2_model.load_tokenizer("bytes"))

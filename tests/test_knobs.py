@@ -53,6 +53,7 @@ SCENARIOS = {  # name -> (world size, flags); run in this order; {out}, {rank} f
     "half": (2, RESUME + ["--max-steps", "11"]),
     "node_local": (2, RESUME + ["--resume", "auto", "--checkpoint-dir", "{out}/node{rank}"]),
     "rest": (2, RESUME + ["--max-steps", "20", "--resume", "auto"]),
+    "other_world": (1, RESUME + ["--max-steps", "20", "--resume", "{out}/half/last.pt"]),
     "unsharded": (
         2,
         [f for f in RESUME if f != "--zero"]
@@ -226,6 +227,16 @@ def test_resume_stops_with_one_line_when_only_some_ranks_see_the_checkpoint(runs
     assert "error:" not in res[1]["node_local"]["err"]
 
 
+def test_a_resume_on_another_world_size_is_refused_in_one_line(runs):
+    """Lesson 7 keeps lesson 1's loader, so a step is B x W samples: on another world size a
+    checkpoint's step would mean other samples. One process refuses the checkpoint of two."""
+    _, res = runs
+    result = res[0]["other_world"]
+    errors = [line for line in result["err"].splitlines() if "error:" in line]
+    assert result["code"] == 2 and len(errors) == 1, result
+    assert "was saved by 2 processes: resume it on as many" in errors[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # --sync-bn
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +328,7 @@ def test_torchrun_with_every_knob_saves_a_full_resumable_checkpoint(readme_run):
     assert_ok(r)
     done = fields(r.stdout, "done")
     assert done["world"] == "2" and done["opt_state"].endswith("MiB/rank"), r.stdout
-    ckpt = torch.load(r.cwd / "checkpoints" / "last.pt", weights_only=True)
+    ckpt = torch.load(r.cwd / "checkpoints" / "lesson7" / "last.pt", weights_only=True)
     assert ckpt["step"] == int(done["steps"]) and len(ckpt["powersgd"]) == 2
     # A state for every parameter, none for the buffers (2 BatchNorm layers, 3 buffers each).
     assert len(ckpt["optimizer"]["state"]) == len(ckpt["model"]) - 2 * 3

@@ -305,7 +305,8 @@ def test_launch_ddp_help_and_dry_run(tmp_path):
             f"sbatch --nodes=4 {ROOT}/slurm/train.sbatch multinode.py"
         ),
         ("--slurm-srun", "--nproc", "8", "multinode.py"): (
-            f"sbatch --ntasks-per-node=8 {ROOT}/slurm/train_srun.sbatch multinode.py"
+            f"sbatch --gpus-per-node=8 --ntasks-per-node=8 {ROOT}/slurm/train_srun.sbatch "
+            "multinode.py"
         ),
     }
     for args, expected in cases.items():
@@ -322,7 +323,8 @@ def test_launch_ddp_help_and_dry_run(tmp_path):
     assert "--max-restarts=2 --nnodes=2" in r.stderr.splitlines()[-1]
     dry = ["--dry-run", "--slurm", "--nproc", "4", "--max-restarts", "2"]
     r = launch_sh(*dry, "multinode.py", env=env)
-    assert "sbatch --export=ALL\\,NPROC_PER_NODE=4\\,MAX_RESTARTS=2 " in r.stderr.splitlines()[-1]
+    last = r.stderr.splitlines()[-1]
+    assert "sbatch --gpus-per-node=4 --export=ALL\\,NPROC_PER_NODE=4\\,MAX_RESTARTS=2 " in last
 
 
 def test_launch_ddp_counts_only_the_gpus_cuda_visible_devices_allows(tmp_path):

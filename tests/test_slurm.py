@@ -168,7 +168,9 @@ def test_sbatch_two_nodes(slurm, tmp_path, readme_run):
     found = list(readme.cwd.glob("slurm-ddp-srun-*.out"))  # the script's --output
     assert readme.returncode == 0 and len(found) == 1, (found, readme.stderr[-3000:])
     [out] = found
-    outputs = {"train_srun.sbatch": (readme.returncode, read(out), readme.cwd / "checkpoints")}
+    outputs = {
+        "train_srun.sbatch": (readme.returncode, read(out), readme.cwd / "checkpoints" / "lesson4")
+    }
     job_dir = tmp_path / "train.sbatch"
     flags = ["--epochs", "2", "--samples", "2048"]
     flags += ["--data-dir", job_dir / "data", "--checkpoint-dir", job_dir / "ckpt"]

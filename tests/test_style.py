@@ -121,3 +121,20 @@ def test_readme_lesson_sections_are_short():
     for start, end in zip(heads, heads[1:], strict=False):
         if re.match(r"## Lesson \d", text[start]):
             assert end - start <= 120, f"{text[start]}: {end - start} lines"
+
+
+def test_each_lesson_that_resumes_has_a_checkpoint_folder_of_its_own():
+    """`--resume auto` (and lesson 3's restarts) take whatever last.pt the folder holds: a learner
+    who runs the README's lessons in order in one directory must not resume lesson 4 from the
+    file lesson 2 left there (it fails to load: another model)."""
+    folders = {}
+    for module in BUDGETS:
+        source = (ROOT / f"{module}.py").read_text()
+        for node in ast.walk(ast.parse(source)):
+            flag = isinstance(node, ast.Call) and node.args and node.args[0]
+            if isinstance(flag, ast.Constant) and flag.value == "--checkpoint-dir":
+                default = next(k.value.value for k in node.keywords if k.arg == "default")
+                if "--resume" in source or "TORCHELASTIC_RESTART_COUNT" in source:
+                    folders[module] = default
+    assert len(folders) >= 5, folders
+    assert len(set(folders.values())) == len(folders), folders

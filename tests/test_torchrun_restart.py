@@ -109,6 +109,8 @@ def test_uninterrupted_run_learns_and_saves_the_schema(baseline):
     assert snapshot.keys() == SCHEMA
     assert (snapshot["step"], snapshot["epoch"], snapshot["global_batch"]) == (STEPS, 3, 32)
     assert snapshot["world_size"] == 2 and len(snapshot["rng"]) == 2
+    # Each rank a random stream of its own: dropout draws other masks on each rank.
+    assert not torch.equal(snapshot["rng"][0]["cpu"], snapshot["rng"][1]["cpu"])
     # A fused optimizer on the CPU too: its settings travel in the snapshot, and a non-fused
     # snapshot resumed on a GPU would run non-fused there (docs/restarts.md).
     assert all(group["fused"] for group in snapshot["optimizer"]["param_groups"])

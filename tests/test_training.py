@@ -348,6 +348,8 @@ def test_a_resume_on_the_same_world_size_continues_bitwise(runs):
     a, b = flat_tensors(straight), flat_tensors(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert len(straight["rng"]) == 2 and "cpu" in straight["rng"][1]
+    # Each rank a random stream of its own (a model with dropout: other masks on each rank).
+    assert not torch.equal(straight["rng"][0]["cpu"], straight["rng"][1]["cpu"])
 
 
 def test_only_the_last_micro_batch_of_a_step_all_reduces(runs):
