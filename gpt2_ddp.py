@@ -263,7 +263,7 @@ def worker(rank, world_size, args, data):
     start = time.perf_counter()
     loss = trainer.train()
     # DDP: drop the wrapper, then leave the group, every rank together; nothing after is
-    # collective. Then print0 cannot tell the ranks apart (mp.spawn sets no RANK): hence the if.
+    # collective (and print0, without a group or RANK, would print on every rank).
     del trainer.model, trainer.forward
     cleanup()
     if ddp.rank == 0:
