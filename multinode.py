@@ -173,7 +173,8 @@ class Trainer:
         self.on_gpu = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
         # DDP: global step s trains positions s*G .. (s+1)*G - 1 of the epoch's shuffle (rank r
-        # holds positions r, r+W, ...), on any world size with the same global batch G.
+        # holds positions r, r+W, ...): with G = B x W that is rank r's samples s*B .. (s+1)*B - 1
+        # (lesson 2's my_share where W divides G), the same on any world size with the same G.
         self.global_batch = args.batch_size * ddp.world_size
         self.steps_per_epoch = len(train_set) // self.global_batch
         if self.steps_per_epoch == 0:
@@ -238,8 +239,8 @@ class Trainer:
         batch = self.args.batch_size
         # This rank's part of the epoch's steps; a resumed run skips the steps already taken.
         done = self.step - epoch * self.steps_per_epoch
-        shard = list(self.sampler)[done * batch : self.steps_per_epoch * batch]
-        loader = DataLoader(self.train_set, batch, sampler=shard, pin_memory=self.on_gpu)
+        mine = list(self.sampler)[done * batch : self.steps_per_epoch * batch]
+        loader = DataLoader(self.train_set, batch, sampler=mine, pin_memory=self.on_gpu)
         loss_sum = torch.zeros((), device=self.device)
         steps = 0
         start = time.perf_counter()
