@@ -12,7 +12,6 @@ the culprit (py-spy, monitored_barrier, TORCH_DISTRIBUTED_DEBUG, @record and tor
 shown in the README, lesson 8, and in docs/debug.md.
 """
 
-import argparse
 import datetime
 import time
 from contextlib import nullcontext
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import cleanup, fail, print0, setup
+from ddp_common import Parser, cleanup, fail, print0, setup
 
 FAULTS = ["none", "mismatch", "uneven", "crash", "straggler", "unused"]
 # The fixes each fault has (--fix NAME).
@@ -39,7 +38,7 @@ FIXES = {
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         description="Lesson 8: break a small DDP job the way real jobs break, diagnose, fix. "
         "Launch with: torchrun --standalone --nproc_per_node=2 ddp_debug.py --fault FAULT"
     )
@@ -94,14 +93,15 @@ def parse_args(argv=None):
         "--log-every", type=int, default=2, help="steps between log lines (default 2)"
     )
     args = parser.parse_args(argv)
+    # Every rank parses: rank 0 alone says what is wrong.
     if args.fix != "none" and args.fix not in FIXES.get(args.fault, []):
-        fail(f"--fix {args.fix} does not fix --fault {args.fault}: the fixes are {FIXES}")
+        fail(f"--fix {args.fix} does not fix --fault {args.fault}: fixes: {FIXES}", 2, True)
     if args.max_steps < 1 or args.batch_size < 1 or args.log_every < 1:
-        fail("--max-steps, --batch-size and --log-every must be at least 1")
+        fail("--max-steps, --batch-size and --log-every must be at least 1", 2, True)
     if not 0 <= args.fault_step < args.max_steps:
-        fail("--fault-step must be in 0 .. --max-steps - 1")
-    if args.timeout <= 0:
-        fail("--timeout must be > 0 seconds")
+        fail("--fault-step must be in 0 .. --max-steps - 1", 2, True)
+    if not 0 < args.timeout < float("inf"):
+        fail("--timeout must be a number of seconds > 0", 2, True)
     return args
 
 

@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 class Net(nn.Module):
     """A tiny language model with what hand-written syncs get wrong: a tied weight (the embedding
-    is the output layer too), a frozen layer, and a head that is used on some steps only."""
+    is the output layer too), a frozen layer, and a head (aux) that is used on some steps only."""
 
     def __init__(self, vocab=256, width=256, depth=4):
         super().__init__()
@@ -89,7 +89,7 @@ class NaiveSync:
 
     def fill_unused(self):
         # DDP: every rank must join the same all-reduces; a gradient this rank did not produce
-        # (a head it did not use) counts as zeros.
+        # (aux, unused here) counts as zeros.
         used_here = [p.grad is not None for p in self.params]
         for p in self.params:
             if p.grad is None:
@@ -97,9 +97,10 @@ class NaiveSync:
         return used_here
 
     def drop_unused(self, used_here):
-        # DDP: a parameter no rank used keeps no gradient, so the optimizer skips it (momentum
-        # would move it on zeros). After the gradients: every rank calls collectives in one order.
-        used = torch.tensor(used_here, dtype=torch.int32, device=self.params[0].device)
+        # DDP: a parameter no rank used gets no gradient (momentum would move it on zeros). As in
+        # torch's reducer the map is pinned: its copy to the GPU does not wait for the all-reduces.
+        used = torch.tensor(used_here, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        used = used.to(self.params[0].device, non_blocking=True)
         dist.all_reduce(used)
         if not all(used_here):
             for p, ranks in zip(self.params, used.tolist(), strict=True):
@@ -189,7 +190,7 @@ def build(args, ddp):
     model = Net().to(ddp.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if args.sync == "torch":
-        # DDP: the reference. find_unused_parameters: the head is unused on some steps.
+        # DDP: the reference. find_unused_parameters: aux is unused on some steps.
         ddp_model = DDP(model, bucket_cap_mb=args.bucket_mb, find_unused_parameters=True)
         return model, ddp_model, ddp_model, optimizer
     sync = {"naive": NaiveSync, "overlap": OverlapSync, "bucket": BucketSync}[args.sync]
@@ -198,17 +199,17 @@ def build(args, ddp):
 
 def train(args, ddp, net, sync, optimizer):
     """args.steps optimizer steps of args.accum micro-batches each: the last loss, ms a step."""
-    # Random tokens, other ones on every rank: nothing to learn; the weights are the point.
-    generator = torch.Generator().manual_seed(1000 + ddp.rank)
+    # Random tokens, other ones on every rank, made on the device (a copy would make the host wait).
+    rng = torch.Generator(ddp.device).manual_seed(1000 + ddp.rank)
     start = time.perf_counter()
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         for micro in range(args.accum):
-            tokens = torch.randint(256, (args.batch_size, 33), generator=generator)
+            tokens = torch.randint(256, (args.batch_size, 33), generator=rng, device=ddp.device)
             # DDP: no all-reduce on a step's earlier micro-batches (no_sync): gradients add up.
             with sync.no_sync() if micro < args.accum - 1 else contextlib.nullcontext():
-                # On some steps one rank uses the head, on others none does.
-                loss = net(tokens.to(ddp.device), use_aux=(step + ddp.rank) % 4 == 0)
+                # On some steps one rank uses aux, on others none does.
+                loss = net(tokens, use_aux=(step + ddp.rank) % 4 == 0)
                 loss.backward()
         if args.sync != "torch":
             # DDP: torch's DDP has averaged the gradients inside backward; ours, here.

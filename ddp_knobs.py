@@ -222,7 +222,7 @@ class Trainer:
                 param_state["step"] = param_state["step"].to(param.device)
         if self.powersgd is not None:
             self._restore_powersgd(ckpt.get("powersgd"))
-        print0(f"resume: {path} at step {self.step}")
+        print0(f"resumed: {path} at step {self.step}")
 
     def _restore_powersgd(self, saved):
         if saved is None:

@@ -141,7 +141,7 @@ class Trainer:
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
-        print0(f"resume: {path} at step {self.step}, saved by {ckpt['world_size']} ranks")
+        print0(f"resumed: {path} at step {self.step}, saved by {ckpt['world_size']} ranks")
         return ckpt
 
     def _plan_batches(self, checkpoint):
@@ -149,8 +149,9 @@ class Trainer:
         args = self.args
         saved = checkpoint.get("global_batch")
         if saved and args.global_batch_size not in (None, saved):
-            why = f"the checkpoint's global batch is {saved}"
-            fail(f"{why}: use --global-batch-size {saved}", 2, rank0_only=True)
+            fail(f"the checkpoint has --global-batch-size {saved}: resume with it", 2, True)
+        if checkpoint.get("data", self.data_name) != self.data_name:
+            fail(f"the checkpoint trained on {checkpoint['data']}, not {self.data_name}", 1, True)
         self.global_batch = saved or args.global_batch_size or args.batch_size * self.ddp.world_size
         if self.ddp.world_size > self.global_batch:
             # A rank without a sample would not join the step's all-reduce.
@@ -282,6 +283,7 @@ class Trainer:
             "epoch": self.step // self.steps_per_epoch,
             "global_batch": self.global_batch,
             "world_size": self.ddp.world_size,
+            "data": self.data_name,
             "rng": rngs,
             # [val_acc, epoch] of the best-k checkpoints, the best first.
             "best": self.best,

@@ -75,7 +75,7 @@ def pick_amp(choice, device):
 def prepare(args, world_size):
     """Before any process joins the group, so no collective waits on a download: the windows, the
     weights, and args resolved (length, checkpoint, global batch). A mistake: one line here."""
-    weights, cfg, enc = gpt2_model.model_config(args.init_from, args.preset, args.tokenizer)
+    weights_path, cfg, enc = gpt2_model.model_config(args.init_from, args.preset, args.tokenizer)
     args.max_length = args.max_length or cfg.block_size
     if args.max_length > cfg.block_size:
         fail(f"--max-length {args.max_length} exceeds the model's context ({cfg.block_size})")
@@ -97,7 +97,7 @@ def prepare(args, world_size):
         why = f"{len(train)} training and {len(val)} validation windows of {args.max_length} tokens"
         fail(f"{args.text}: {why}, a global batch of {G} over {world_size} ranks: too few")
     args.global_batch_size = G
-    return dict(train=train, val=val, config=cfg, weights=None if args.resume else weights)
+    return dict(train=train, val=val, config=cfg, weights_path=weights_path)
 
 
 class Trainer:
@@ -113,12 +113,12 @@ class Trainer:
         self.steps_per_epoch = len(self.train_set) // self.global_batch
         self.total_steps = args.epochs * self.steps_per_epoch
         self.last_step = min(self.total_steps, args.max_steps or self.total_steps)
-        # The same initial weights in every process (DDP also copies rank 0's to all).
+        # DDP copies rank 0's initial weights to all anyway; the seed makes them the same on any W.
         torch.manual_seed(0)
         model = gpt2_model.GPT(data["config"])
-        if data["weights"]:
+        if data["weights_path"] and not args.resume:
             # DDP: every rank loads the released weights itself, before the wrap.
-            gpt2_model.load_hf_weights(model, data["weights"])
+            gpt2_model.load_hf_weights(model, data["weights_path"])
         self.bare = model.to(self.device)
         self.optimizer = gpt2_model.adamw(model, args.lr)
         # fp16's small gradients underflow unless the loss is scaled up; bf16's do not.
@@ -148,7 +148,7 @@ class Trainer:
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
-        print0(f"resume: {path} at step {ckpt['step']}, saved by {ckpt['world_size']} ranks")
+        print0(f"resumed: {path} at step {ckpt['step']}, saved by {ckpt['world_size']} ranks")
         return ckpt["step"]
 
     def _run_batch(self, x, y):
@@ -262,15 +262,15 @@ def worker(rank, world_size, args, data):
     )
     start = time.perf_counter()
     loss = trainer.train()
-    # DDP: drop the wrapper, then leave the group, every rank together; nothing after is
-    # collective (and print0, without a group or RANK, would print on every rank).
+    # DDP: drop the wrapper (alive at exit, it can abort gloo), then leave the group, every rank
+    # together. Nothing after is collective: rank 0 alone exports and prints.
     del trainer.model, trainer.forward
     cleanup()
     if ddp.rank == 0:
         if args.export_hf:
             gpt2_model.export_hf(trainer.bare, args.export_hf)
         seconds = time.perf_counter() - start
-        print0(f"done: steps {trainer.step} | val_loss {loss:.4f} | time {seconds:.1f}s")
+        print(f"done: steps {trainer.step} | val_loss {loss:.4f} | time {seconds:.1f}s")
 
 
 def main():

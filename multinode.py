@@ -171,7 +171,8 @@ class Trainer:
         x, y = train_set.tensors
         model = make_model(x.shape[1], int(y.max()) + 1).to(self.device)
         self.on_gpu = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=self.on_gpu)
+        # fused on CPUs too: a checkpoint keeps the flag, so a CPU one resumes fused on a GPU.
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
         # DDP: global step s trains positions s*G .. (s+1)*G - 1 of the epoch's shuffle (rank r
         # holds positions r, r+W, ...): with G = B x W that is rank r's samples s*B .. (s+1)*B - 1
         # (lesson 2's my_share where W divides G), the same on any world size with the same G.

@@ -86,6 +86,8 @@ def read_cifar(data_dir):
         labels = torch.tensor(entry["labels"], dtype=torch.int64)
         if len(images) != len(labels):
             raise ValueError(f"{name} holds {len(images)} images but {len(labels)} labels")
+        if not set(entry["labels"]) <= set(range(10)):
+            raise ValueError(f"{name} holds labels outside 0..9")
         files.append((images, labels))
     return files
 
@@ -140,6 +142,8 @@ def get_data(args, ddp):
         x = torch.cat([images for images, _ in files[:5]])[:n_train]
         y = torch.cat([labels for _, labels in files[:5]])[:n_train]
         test_x, test_y = [t[:n_test] for t in files[5]]
+    if len(x) < 10:
+        fail(f"{len(x)} training images: a tenth of them validates, so at least 10", 2, True)
     # A fixed 10% held out for validation (seed 0, not --seed: every run validates on the same).
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train = order[len(order) // 10 :].sort().values

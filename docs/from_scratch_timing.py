@@ -65,9 +65,11 @@ def build(name, args, ddp):
 
 
 def finished(device):
-    """Wait for the GPU (timing only): its work runs after the Python that queued it."""
+    """Wait for the GPU (timing only): its work runs after the Python that queued it. The current
+    stream only: all-reduces still running on NCCL's own stream are left to `wait` (finish()
+    makes the current stream wait for them; torch's DDP does so inside backward)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def step(name, net, sync, optimizer, tokens, communicate):

@@ -9,8 +9,9 @@
 # line where no CUDA GPU is visible. Logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check). The
 # checks run $GPU_CHECK_JOBS at a time (default 4; they check what runs, not how fast): most of
 # each is a process starting, 15-25 s on an H100 machine for a second or two of training. One
-# H100 (torch 2.11, 2026-11-27): 17 PASS in 124 s (one at a time: 311 s for the first 16). The
-# three NCCL fault checks need 2+ GPUs and run last, alone.
+# H100 (torch 2.11): 17 PASS in 124 s (one at a time: 311 s for the first 16); one H200 (torch
+# 2.11, 2026-11-27): 20 PASS in 132 s, and in 111 s. The three NCCL fault checks need 2+ GPUs
+# and run last, alone.
 # GPU_CHECK_FORCE=1 GPU_CHECK_NPROC=2 runs the same commands on CPU processes (16-bit AMP off),
 # one at a time: a smoke test of the commands and flags, not of the GPU paths.
 # tests/test_gpu.py checks that every flag and name used here exists.
@@ -92,6 +93,13 @@ check l7_bf16_hook "${TR[@]}" ddp_knobs.py --comm-hook bf16 --epochs 1 --checkpo
 # monitored_barrier needs a CPU backend: beside NCCL, the lesson's own gloo group (any world size).
 check l8_monitored_barrier "${TR[@]}" ddp_debug.py --monitored-barrier
 check l9_torch "${TR[@]}" ddp_from_scratch.py --sync torch --save-weights "$C/l9_torch.pt"
+# Snapshots saved on CPUs (a job handed over, or requeued from a CPU node) for the GPU to resume:
+# fused AdamW's `step` must follow the parameters onto it (lesson 3), and ZeRO's, which its
+# load_state_dict puts on the CPU, must be moved back (lesson 7's _resume).
+check l3_cpu_snapshot env CUDA_VISIBLE_DEVICES= "${TR[@]}" multi_gpu_torchrun.py --max-steps 10 \
+    --checkpoint-dir "$C/l3cpu"
+check l7_cpu_zero_save env CUDA_VISIBLE_DEVICES= "${TR[@]}" "${L7[@]}" --max-steps 20 \
+    --checkpoint-dir "$C/l7cpu"
 # Checks that resume what an earlier one saved.
 after l2_bf16_compile
 # The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with clipping.
@@ -99,6 +107,10 @@ check l2_fp16_resume_accum_clip "${TR[@]}" "${L2[@]}" --amp "$FP16" --clip-grad 
     --max-steps 30 --resume auto --checkpoint-dir "$C/l2"
 after l7_zero_fused_save
 check l7_zero_fused_resume "${TR[@]}" "${L7[@]}" --checkpoint-dir "$C/l7" --resume auto
+after l3_cpu_snapshot
+check l3_cpu_snapshot_on_gpu "${TR[@]}" multi_gpu_torchrun.py --epochs 1 --checkpoint-dir "$C/l3cpu"
+after l7_cpu_zero_save
+check l7_cpu_zero_on_gpu "${TR[@]}" "${L7[@]}" --checkpoint-dir "$C/l7cpu" --resume auto
 after l9_torch
 check l9_bucket "${TR[@]}" ddp_from_scratch.py --sync bucket --reference "$C/l9_torch.pt"
 wait
@@ -118,13 +130,13 @@ expect() {
 if [ "$N" -ge 2 ] && [ -z "${GPU_CHECK_FORCE:-}" ]; then
     expect l8_straggler_named "failed to pass monitoredBarrier" \
         "${TR[@]}" ddp_debug.py --fault straggler --monitored-barrier
-    # DETAIL's collective check (on gloo, torch 2.15 crashes DDP's constructor under DETAIL).
+    # DETAIL's collective check (on gloo, torch 2.14 and 2.15 crash DDP's constructor under DETAIL).
     expect l8_detail_mismatch "Detected mismatch between collectives on ranks" \
         env TORCH_DISTRIBUTED_DEBUG=DETAIL "${TR[@]}" ddp_debug.py --fault mismatch --timeout 20
     # Flight Recorder: the straggler (the last rank) leaves rank 0 in an all-reduce; NCCL's
     # watchdog times out after 20 s and dumps every rank's buffer; fr_trace names the missing rank.
     FR="$LOGS/fr" && rm -rf "$FR" && mkdir -p "$FR"
-    timeout 300 env TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_ON_TIMEOUT=1 \
+    timeout 300 env TORCH_FR_BUFFER_SIZE=2000 \
         TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE="$FR/rank_" \
         TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$FR/rank_" "${TR[@]}" ddp_debug.py --fault straggler \
         --timeout 20 >"$LOGS/l8_fr_job.log" 2>&1

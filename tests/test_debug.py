@@ -11,6 +11,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROOT, cpu_env, spawn, torchrun_env
@@ -194,16 +195,30 @@ def test_fixes_run_and_join_shadows_the_ranks_that_ran_out_with_zeros(tmp_path):
         torch.testing.assert_close(w, p)
 
 
-def test_a_fix_for_another_fault_is_a_one_line_error():
+@pytest.mark.parametrize(
+    "rank, argv, expected",
+    [
+        (
+            "0",
+            ["--fault", "crash", "--fix", "join"],
+            "error: --fix join does not fix --fault crash",
+        ),
+        ("0", ["--timeout", "nan"], "error: --timeout must be"),
+        ("0", ["--fault-step", "x"], "error: argument --fault-step: invalid int value"),
+        # Every rank parses: the others stop as quietly (torchrun: one line, not one per rank).
+        ("1", ["--fault", "crash", "--fix", "join"], ""),
+    ],
+)
+def test_a_usage_mistake_is_one_error_line_from_rank_0(rank, argv, expected):
     result = subprocess.run(
-        [sys.executable, ROOT / "ddp_debug.py", "--fault", "crash", "--fix", "join"],
+        [sys.executable, ROOT / "ddp_debug.py", *argv],
         capture_output=True,
         text=True,
-        env=cpu_env(),
+        env={**cpu_env(), "RANK": rank},
         timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.startswith("error: --fix join does not fix --fault crash")
+    assert result.stderr.startswith(expected) and result.stderr.count("\n") == (rank == "0")
 
 
 def _monitored_barrier_beside_nccl(rank, world_size, port, out_dir):

@@ -642,7 +642,7 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
         for name in v:
             assert torch.equal(resumed["optimizer"]["state"][k][name], v[name]), (k, name)
     assert not torch.equal(half["model"]["wte.weight"], straight["model"]["wte.weight"])
-    assert "resume: " in printed["resumed"] and "at step 4, saved by 2 ranks" in printed["resumed"]
+    assert "resumed: " in printed["resumed"] and "at step 4, saved by 2 ranks" in printed["resumed"]
     steps = {s: v for s, v in train_losses(printed["straight"]).items() if s > 4}
     assert train_losses(printed["resumed"]) == steps and list(steps) == [5, 6, 7]
     assert val_losses(printed["resumed"]) == {4: val_losses(printed["half"])[4]} | {

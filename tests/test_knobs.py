@@ -191,7 +191,7 @@ def test_resume_with_zero_and_powersgd_continues_bitwise(runs):
     straight, resumed = _ckpt(out, "straight"), _ckpt(out, "rest")
     assert straight["step"] == resumed["step"] == 20 and straight["epoch"] == 2
     assert "resume: no " in res[0]["straight"]["out"]  # --resume auto, nothing there yet
-    assert f"resume: {out}/half/last.pt at step 11" in res[0]["rest"]["out"]
+    assert f"resumed: {out}/half/last.pt at step 11" in res[0]["rest"]["out"]
     ps = straight["powersgd"]
     assert len(ps) == 2 and ps[0]["iter"] == 20 and ps[0]["error_dict"]
     assert not all(
@@ -357,4 +357,4 @@ def test_gpu_zero_fused_adamw_resumes(tmp_path):
         "ddp_knobs.py", *flags, "--max-steps", "8", "--resume", "auto", nproc=1, env=env
     )
     assert_ok(resumed)
-    assert "resume: " in resumed.stdout and "| steps 8 |" in resumed.stdout
+    assert "resumed: " in resumed.stdout and "| steps 8 |" in resumed.stdout

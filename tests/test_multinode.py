@@ -97,6 +97,8 @@ def single_node(tmp_path_factory):
         assert_ok(r)
     last = ckpt(out / "ckpt" / "last.pt")
     assert last["step"] == 24 and last["global_batch"] == 64 and last["world_size"] == 2
+    # Fused on the CPU too: a checkpoint resumed on a GPU keeps the flag (docs/restarts.md).
+    assert all(group["fused"] for group in last["optimizer"]["param_groups"])
     return last
 
 

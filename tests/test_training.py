@@ -95,10 +95,10 @@ class Python2Pickler(pickle._Pickler):
     dispatch[type(len)] = save_builtin
 
 
-def write_tiny_cifar(root, per_batch=21, n_test=17):
+def write_tiny_cifar(root, per_batch=21, n_test=17, first_label=None):
     """A tiny CIFAR-10 in the real on-disk format (the python version): Python 2 pickles of dicts
     with 'data' (N x 3072 uint8) and 'labels', in cifar-10-batches-py/. 17 test images: 9 + 8 on
-    2 ranks."""
+    2 ranks. first_label: the first training image's label instead of a random class."""
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -109,6 +109,8 @@ def write_tiny_cifar(root, per_batch=21, n_test=17):
             "labels": rng.integers(0, 10, n).tolist(),
             "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
         }
+        if first_label is not None and name == "data_batch_1":
+            entry["labels"][0] = first_label
         with open(folder / name, "wb") as f:
             Python2Pickler(f, protocol=2).dump(entry)
 
@@ -331,7 +333,7 @@ def test_the_same_command_resumes_on_another_world_size(runs, name):
     out, results = runs
     size = len(results[name])
     stdout = results[name][0]["stdout"]
-    assert f"resume: {out / 'half_w2' / 'last.pt'} at step 7, saved by 2 ranks" in stdout
+    assert f"resumed: {out / 'half_w2' / 'last.pt'} at step 7, saved by 2 ranks" in stdout
     start = fields(stdout, "start:")[0]
     assert start["world"] == str(size) and start["batch"] == "4/micro-batch, 16 global"
     assert start["steps"] == "7->10 of 10" and start["lr"] == f"{LR * GLOBAL_BATCH / 256:g}"
@@ -412,10 +414,12 @@ def test_checkpoint_contents_and_best_k(runs):
         "epoch",
         "global_batch",
         "world_size",
+        "data",
         "rng",
         "best",
     }
     assert last["global_batch"] == 16 and last["world_size"] == 2 and last["scaler"] == {}
+    assert last["data"] == "cifar10"
     assert not any(k.startswith("module.") for k in last["model"])
     assert len(last["best"]) == 1
     accuracy, epoch = last["best"][0]
@@ -502,6 +506,8 @@ def failures(runs):
         (evil / name).write_bytes((out / "data" / "cifar-10-batches-py" / name).read_bytes())
     marker = out / "evil" / "code-ran"
     (evil / "data_batch_1").write_bytes(pickle.dumps({"data": RunsCode(str(marker)), "labels": []}))
+    # CIFAR-10 with a label 10 (ten classes: 0..9), which cross_entropy would fail on mid-run.
+    write_tiny_cifar(out / "bad_labels", first_label=10)
     common = SAME + ["--data-dir", out / "data", "--checkpoint-dir", out / "a" / "b"]
     cases = {
         "finished": common + ["--resume", last],
@@ -514,6 +520,10 @@ def failures(runs):
         "too_many_ranks": common + ["--global-batch-size", "1"],
         "offline": common + ["--data-dir", out / "nodata"],
         "crafted_pickle": common + ["--data-dir", out / "evil"],
+        "bad_labels": common + ["--data-dir", out / "bad_labels"],
+        "no_validation": common + ["--subset", "9"],
+        # A requeued job whose --data auto found no CIFAR-10 would train on synthetic images.
+        "other_data": common + ["--resume", last, "--data", "synthetic", "--subset", "400"],
     }
     cases = {name: [str(a) for a in argv] for name, argv in cases.items()}
     spawn(_failure_worker, 2, str(out), cases, {name: free_port() for name in cases})
@@ -572,6 +582,17 @@ def test_a_global_batch_the_data_or_the_ranks_cannot_fill_is_refused(failures):
 def test_cifar10_unavailable_offline_is_one_error_line(failures):
     _, results, _ = failures
     assert "--data synthetic" in one_error_line(results, "offline", code=1)
+
+
+def test_data_a_run_cannot_use_is_refused_before_training(failures):
+    """Labels outside CIFAR-10's ten classes, a subset with nothing to validate on, and a resume
+    on other data than the checkpoint's (--data auto falls back to synthetic where CIFAR-10 is
+    missing): one line each, before any step."""
+    _, results, _ = failures
+    assert "labels outside 0..9" in one_error_line(results, "bad_labels", code=1)
+    assert "9 training images" in one_error_line(results, "no_validation", code=2)
+    error = one_error_line(results, "other_data", code=1)
+    assert "trained on cifar10, not synthetic" in error
 
 
 def test_a_cifar_file_that_would_run_code_is_refused(failures):
