@@ -54,9 +54,9 @@ def parse_args():
 
 
 def my_share(mine, step, global_batch, rank, world_size):
-    """DDP: rank r's part of step s of the epoch, positions sG .. (s+1)G - 1 of its shuffle: as
-    mine[j] is position r + jW, j = ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1 (-(-a // b)
-    is ceil(a / b)). The same windows on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
+    """DDP: rank r's part of step s: positions sG .. (s+1)G - 1 of the epoch's shuffle, where
+    mine[j] is position r + jW, so j runs ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1
+    (-(-a // b) is ceil(a / b)). The same windows on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
     return mine[begin:end]
@@ -117,7 +117,7 @@ class Trainer:
         torch.manual_seed(0)
         model = gpt2_model.GPT(data["config"])
         if data["weights_path"] and not args.resume:
-            # DDP: every rank loads the released weights itself, before the wrap.
+            # DDP: every rank loads them, before the wrap (which copies rank 0's to all anyway).
             gpt2_model.load_hf_weights(model, data["weights_path"])
         self.bare = model.to(self.device)
         self.optimizer = gpt2_model.adamw(model, args.lr)
@@ -160,7 +160,7 @@ class Trainer:
         targets = y.to(self.device, non_blocking=True).split(self.args.batch_size)
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inputs, targets, strict=True)):
-            # DDP: only the step's last micro-batch all-reduces (no_sync: one process has none).
+            # DDP: only the step's last micro-batch all-reduces (no_sync; one process: not wrapped).
             last = i == len(inputs) - 1 or self.ddp.world_size == 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with torch.autocast(self.device.type, self.amp_dtype, self.amp != "off"):
@@ -262,8 +262,8 @@ def worker(rank, world_size, args, data):
     )
     start = time.perf_counter()
     loss = trainer.train()
-    # DDP: drop the wrapper (alive at exit, it can abort gloo), then leave the group, every rank
-    # together. Nothing after is collective: rank 0 alone exports and prints.
+    # DDP: delete the wrapper first (alive when the group is gone, it can abort gloo at exit), then
+    # every rank leaves the group. Nothing after is collective: rank 0 alone exports and prints.
     del trainer.model, trainer.forward
     cleanup()
     if ddp.rank == 0:

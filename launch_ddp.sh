@@ -46,11 +46,12 @@ EOF
 
 die() { echo "error: $*" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n $2 ]] || die "$1 needs a value (see --help)"; }
-is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
+# No leading zeros: bash reads 010 as octal 8, torchrun as 10.
+is_uint() { [[ $1 =~ ^(0|[1-9][0-9]*)$ ]]; }
 
 NPROC="" NNODES=1 NODE_RANK="" MASTER_ADDR_ARG="" MASTER_PORT_ARG=29500 RDZV_ENDPOINT="" RDZV_ID=ddp-course
 MAX_RESTARTS=0
-MODE=torchrun DEBUG=0 DRY_RUN=0 PORT_SET=0 NNODES_SET=0
+MODE=torchrun DEBUG=0 DRY_RUN=0 PORT_SET=0 NNODES_SET=0 RDZV_ID_SET=0
 while [[ $# -gt 0 ]]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
@@ -60,7 +61,7 @@ while [[ $# -gt 0 ]]; do
         --master-addr|--master_addr) need_value "$@"; MASTER_ADDR_ARG=$2; shift 2 ;;
         --master-port|--master_port) need_value "$@"; MASTER_PORT_ARG=$2; PORT_SET=1; shift 2 ;;
         --rdzv-endpoint|--rdzv_endpoint) need_value "$@"; RDZV_ENDPOINT=$2; shift 2 ;;
-        --rdzv-id|--rdzv_id) need_value "$@"; RDZV_ID=$2; shift 2 ;;
+        --rdzv-id|--rdzv_id) need_value "$@"; RDZV_ID=$2; RDZV_ID_SET=1; shift 2 ;;
         --max-restarts|--max_restarts) need_value "$@"; MAX_RESTARTS=$2; shift 2 ;;
         --slurm) MODE=slurm; shift ;;
         --slurm-srun) MODE=slurm-srun; shift ;;
@@ -99,8 +100,8 @@ run() {  # print the command (shell-quoted), then run it unless --dry-run
 }
 
 if [[ $MODE != torchrun ]]; then
-    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT && $PORT_SET == 0 ]] \
-        || die "--node-rank, --master-addr, --master-port and --rdzv-endpoint are not used with $MODE: the sbatch script picks them"
+    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT && $PORT_SET == 0 && $RDZV_ID_SET == 0 ]] \
+        || die "--node-rank, --master-addr, --master-port, --rdzv-endpoint and --rdzv-id are not used with $MODE: the sbatch script picks them"
     HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
     export DDP_COURSE_DIR=$HERE   # the sbatch scripts activate $DDP_COURSE_DIR/.venv if it exists
     # Only what you gave overrides the #SBATCH lines of the script. OPTS may stay empty:
@@ -142,10 +143,11 @@ echo "+ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" >&2
 [[ $MAX_RESTARTS == 0 ]] || TORCHRUN+=(--max-restarts="$MAX_RESTARTS")
 
 if [[ $NNODES == 1 ]]; then
-    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT ]] \
-        || die "--node-rank, --master-addr and --rdzv-endpoint need --nnodes 2 or more"
-    # --standalone: a private rendezvous on a free local port, so two jobs never collide.
-    run "${TORCHRUN[@]}" --standalone --nproc-per-node="$NPROC" "$SCRIPT" "$@"
+    [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && -z $RDZV_ENDPOINT && $PORT_SET == 0 && $RDZV_ID_SET == 0 ]] \
+        || die "--node-rank, --master-addr, --master-port, --rdzv-endpoint and --rdzv-id need --nnodes 2 or more"
+    # --standalone: a private rendezvous on a free local port, so two jobs never collide. The
+    # workers meet at 127.0.0.1, not at this machine's name, which may not resolve (a laptop).
+    run "${TORCHRUN[@]}" --local-addr=127.0.0.1 --standalone --nproc-per-node="$NPROC" "$SCRIPT" "$@"
 fi
 
 if [[ -n $RDZV_ENDPOINT ]]; then
@@ -159,6 +161,7 @@ fi
 
 [[ -n $NODE_RANK && -n $MASTER_ADDR_ARG ]] \
     || die "--nnodes $NNODES needs --node-rank and --master-addr (static), or --rdzv-endpoint (c10d)"
+[[ $RDZV_ID_SET == 0 ]] || die "--rdzv-id is for c10d rendezvous (--rdzv-endpoint): static has none"
 # Static rendezvous never restarts a healthy node with the failed one (docs/multinode.md).
 [[ $MAX_RESTARTS == 0 ]] \
     || die "--max-restarts needs c10d rendezvous on several nodes: use --rdzv-endpoint HOST, not --node-rank/--master-addr"

@@ -93,9 +93,9 @@ def make_dataset(samples, dim=20):
 
 
 def my_share(mine, step, global_batch, rank, world_size):
-    """DDP: rank r's part of step s of the epoch, positions sG .. (s+1)G - 1 of its shuffle: as
-    mine[j] is position r + jW, j = ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1 (-(-a // b)
-    is ceil(a / b)). The same samples on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
+    """DDP: rank r's part of step s: positions sG .. (s+1)G - 1 of the epoch's shuffle, where
+    mine[j] is position r + jW, so j runs ceil((sG - r) / W) .. ceil(((s+1)G - r) / W) - 1
+    (-(-a // b) is ceil(a / b)). The same samples on any W (G 16, W 3: 6, 5 and 5 at step 0)."""
     begin = -(-(step * global_batch - rank) // world_size)
     end = -(-((step + 1) * global_batch - rank) // world_size)
     return mine[begin:end]

@@ -260,6 +260,13 @@ BUGS = [
         ["tests/test_multinode.py::test_stopped_inside_an_epoch_resumes_where_it_stopped"],
     ),
     (
+        "lesson 4: launch_ddp.sh's one-node workers meet at the machine's name",
+        "launch_ddp.sh",
+        'run "${TORCHRUN[@]}" --local-addr=127.0.0.1 --standalone',
+        'run "${TORCHRUN[@]}" --standalone',
+        ["tests/test_multinode.py::test_launch_ddp_runs_where_the_machine_name_does_not_resolve"],
+    ),
+    (
         "lesson 5: no set_epoch",
         "gpt2_ddp.py",
         "self.sampler.set_epoch(epoch)",

@@ -273,6 +273,32 @@ def fake_nvidia_smi(folder, gpus):
     return env
 
 
+@pytest.mark.slow
+def test_launch_ddp_runs_where_the_machine_name_does_not_resolve(tmp_path):
+    """A laptop offline or a fresh VM: `hostname` names no address. torchrun --standalone hands
+    its workers that name as MASTER_ADDR (with the launcher's own store per attempt), and they
+    retried it until DDP_TIMEOUT; launch_ddp.sh gives them 127.0.0.1. The name is changed in a
+    UTS namespace of the test's own (root only)."""
+    probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        if os.environ.get("DDP_COURSE_ROOT") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(f"asked for root tests, but unshare --uts fails: {probe.stderr.strip()}")
+        pytest.skip("unshare --uts needs root (DDP_COURSE_ROOT=1 makes this a failure)")
+    launch = [ROOT / "launch_ddp.sh", "--nproc", "2", "multinode.py", "--samples", "512"]
+    launch += [
+        "--epochs",
+        "1",
+        "--data-dir",
+        tmp_path / "data",
+        "--checkpoint-dir",
+        tmp_path / "ck",
+    ]
+    script = "hostname ddp-course-no-such-host && exec bash " + " ".join(map(str, launch))
+    r = run(["unshare", "--uts", "bash", "-c", script], timeout=120, env=cpu_env(DDP_TIMEOUT="60"))
+    assert_ok(r)
+    assert "done: world 2 | nodes 1" in r.stdout
+
+
 def test_launch_ddp_help_and_dry_run(tmp_path):
     r = launch_sh("--help")
     assert r.returncode == 0 and "--rdzv-endpoint" in r.stdout and "--slurm" in r.stdout
@@ -355,6 +381,24 @@ def test_launch_ddp_counts_only_the_gpus_cuda_visible_devices_allows(tmp_path):
         ["--node-rank", "0", "--master-addr", "h", "multinode.py"],
         ["--slurm", "--master-addr", "h", "multinode.py"],
         ["--max-restarts", "-1", "multinode.py"],
+        # Accepted once and ignored: --master-port or --rdzv-id where nothing reads them; a
+        # leading zero (bash reads 08 as octal, torchrun as 8).
+        ["--master-port", "12345", "multinode.py"],
+        ["--rdzv-id", "x", "multinode.py"],
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "h",
+            "--rdzv-id",
+            "x",
+            "multinode.py",
+        ],
+        ["--slurm", "--rdzv-id", "x", "multinode.py"],
+        ["--nnodes", "08", "multinode.py"],
+        ["--nnodes", "9", "--node-rank", "010", "--master-addr", "h", "multinode.py"],
         ["--slurm-srun", "--max-restarts", "1", "multinode.py"],
         # static rendezvous cannot restart a healthy node with a failed one: refused
         ["--dry-run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"]
