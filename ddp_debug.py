@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_common import Parser, cleanup, fail, print0, setup
+from ddp_common import Parser, cleanup, fail, positive_int, print0, setup
 
 FAULTS = ["none", "mismatch", "uneven", "crash", "straggler", "unused"]
 # The fixes each fault has (--fix NAME).
@@ -77,9 +77,9 @@ def parse_args(argv=None):
         action="store_true",
         help="a dist.monitored_barrier before every step: rank 0 names a rank that never arrives",
     )
-    parser.add_argument("--max-steps", type=int, default=8, help="steps per rank (default 8)")
+    parser.add_argument("--max-steps", type=positive_int, default=8, help="steps/rank (default 8)")
     parser.add_argument(
-        "--batch-size", type=int, default=4, help="samples per step PER RANK (default 4)"
+        "--batch-size", type=positive_int, default=4, help="samples per step PER RANK (default 4)"
     )
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
@@ -90,14 +90,12 @@ def parse_args(argv=None):
         help="auto: NCCL on CUDA GPUs, gloo on CPU (default auto)",
     )
     parser.add_argument(
-        "--log-every", type=int, default=2, help="steps between log lines (default 2)"
+        "--log-every", type=positive_int, default=2, help="steps between log lines (default 2)"
     )
     args = parser.parse_args(argv)
     # Every rank parses: rank 0 alone says what is wrong.
     if args.fix != "none" and args.fix not in FIXES.get(args.fault, []):
         fail(f"--fix {args.fix} does not fix --fault {args.fault}: fixes: {FIXES}", 2, True)
-    if args.max_steps < 1 or args.batch_size < 1 or args.log_every < 1:
-        fail("--max-steps, --batch-size and --log-every must be at least 1", 2, True)
     if not 0 <= args.fault_step < args.max_steps:
         fail("--fault-step must be in 0 .. --max-steps - 1", 2, True)
     if not 0 < args.timeout < float("inf"):
@@ -200,9 +198,7 @@ def train(args, ddp):
     """The loop every lesson has, with the faults in it. Returns the bare model."""
     torch.manual_seed(args.seed)
     model = Net().to(ddp.device)
-    device_ids = None
-    if ddp.device.type == "cuda":
-        device_ids = [ddp.device.index]
+    device_ids = [ddp.device.index] if ddp.device.type == "cuda" else None
     # FIX (unused): find_unused_parameters=True: after each forward DDP walks the autograd graph
     # and marks the parameters it will not reach as ready (costs a traversal per step).
     find_unused = args.fix == "find-unused"
@@ -243,6 +239,9 @@ def main(argv=None):
     args.bad_rank += ddp.world_size if args.bad_rank < 0 else 0
     if not 0 <= args.bad_rank < ddp.world_size:
         fail(f"--bad-rank must be in 0 .. {ddp.world_size - 1}", rank0_only=True)
+    if ddp.world_size == 1 and args.fault in ("mismatch", "uneven", "straggler"):
+        # One rank waits for no one: no mismatch, no hang, a straggler that sleeps 100 x --timeout.
+        fail(f"--fault {args.fault} needs 2 or more ranks: start it with --nproc_per_node=2")
     print0(
         f"start: fault {args.fault} | fix {args.fix} | world {ddp.world_size} | backend "
         f"{ddp.backend} | device {ddp.device.type} | timeout {args.timeout:g}s"

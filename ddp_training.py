@@ -136,8 +136,8 @@ class Trainer:
         # A file from elsewhere: its best-k entries name files to delete, so they must be numbers.
         try:
             self.best = [[float(accuracy), int(epoch)] for accuracy, epoch in ckpt["best"]]
-        except (TypeError, ValueError):
-            fail(f"{path}: its best-k list is not [accuracy, epoch] pairs", 1, rank0_only=True)
+        except (KeyError, TypeError, ValueError):
+            fail(f"{path}: no best-k list of [accuracy, epoch] pairs", 1, rank0_only=True)
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])

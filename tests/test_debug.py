@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, cpu_env, spawn, torchrun_env
+from conftest import ROOT, cpu_env, free_port, spawn, torchrun_env
 
 import ddp_common
 import ddp_debug
@@ -204,7 +204,7 @@ def test_fixes_run_and_join_shadows_the_ranks_that_ran_out_with_zeros(tmp_path):
             "error: --fix join does not fix --fault crash",
         ),
         ("0", ["--timeout", "nan"], "error: --timeout must be"),
-        ("0", ["--fault-step", "x"], "error: argument --fault-step: invalid int value"),
+        ("0", ["--max-steps", "0"], "error: argument --max-steps: '0' is not a whole number"),
         # Every rank parses: the others stop as quietly (torchrun: one line, not one per rank).
         ("1", ["--fault", "crash", "--fix", "join"], ""),
     ],
@@ -219,6 +219,22 @@ def test_a_usage_mistake_is_one_error_line_from_rank_0(rank, argv, expected):
     )
     assert result.returncode == 2
     assert result.stderr.startswith(expected) and result.stderr.count("\n") == (rank == "0")
+
+
+def test_a_fault_that_needs_two_ranks_is_refused_on_one():
+    """On one rank nothing waits for anything: --fault straggler would sleep 100 x --timeout."""
+    one_rank = dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1)
+    result = subprocess.run(
+        [sys.executable, ROOT / "ddp_debug.py", "--fault", "straggler"],
+        capture_output=True,
+        text=True,
+        env=cpu_env(**one_rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()),
+        timeout=120,
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        "error: --fault straggler needs 2 or more ranks: start it with --nproc_per_node=2\n",
+    )
 
 
 def _monitored_barrier_beside_nccl(rank, world_size, port, out_dir):

@@ -498,6 +498,9 @@ def failures(runs):
     ):
         crafted["best"] = [entry]
         torch.save(crafted, out / f"crafted_{name}.pt")
+    # ... and one with no best-k list at all (handed over from a program that keeps none).
+    del crafted["best"]
+    torch.save(crafted, out / "crafted_none.pt")
     (out / "victim.txt").write_text("keep me")
     # CIFAR-10 whose first file, unpickled by pickle.load, would run code.
     evil = out / "evil" / "cifar-10-batches-py"
@@ -513,6 +516,7 @@ def failures(runs):
         "finished": common + ["--resume", last],
         "crafted_name": common + ["--epochs", "3", "--resume", out / "crafted_name.pt"],
         "crafted_epoch": common + ["--epochs", "3", "--resume", out / "crafted_epoch.pt"],
+        "crafted_none": common + ["--epochs", "3", "--resume", out / "crafted_none.pt"],
         "truncated": common + ["--resume", out / "truncated.pt"],
         "missing": common + ["--resume", out / "nope.pt"],
         "other_global_batch": common + ["--resume", last, "--global-batch-size", "32"],
@@ -550,11 +554,12 @@ def test_resuming_a_finished_run_evaluates_and_ends_cleanly(failures):
     assert fields(results["finished"][0]["stdout"], "done:")[0]["steps"] == "10"
 
 
-@pytest.mark.parametrize("layout", ["name", "epoch"])
+@pytest.mark.parametrize("layout", ["name", "epoch", "none"])
 def test_a_crafted_checkpoint_cannot_delete_files_outside_its_dir(failures, layout):
     """A last.pt whose best-k list names "../../victim.txt": the old code trained an epoch, then
     os.remove()d that path as an evicted best checkpoint. The names a run deletes now come from
-    epoch numbers, and a list that holds anything else is refused."""
+    epoch numbers, and a list that holds anything else is refused; so is a file without one
+    (before: a KeyError traceback)."""
     out, results, _ = failures
     assert str(out / f"crafted_{layout}.pt") in one_error_line(results, f"crafted_{layout}", 1)
     assert (out / "victim.txt").read_text() == "keep me"
