@@ -54,6 +54,20 @@ BUGS = [
         ["tests/test_mnist.py::test_every_test_sample_is_counted_once_and_the_output_is_rank_0s"],
     ),
     (
+        "helper: each CPU rank takes every core (oversubscribed)",
+        "ddp_common.py",
+        "torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))",
+        "torch.set_num_threads(os.cpu_count() or 1)",
+        ["tests/test_common.py::test_setup_under_mp_spawn"],
+    ),
+    (
+        "helper: OMP_NUM_THREADS overridden",
+        "ddp_common.py",
+        'elif "OMP_NUM_THREADS" not in env:',
+        "else:",
+        ["tests/test_common.py::test_setup_under_torchrun"],
+    ),
+    (
         "helper: no namespace per restart attempt",
         "ddp_common.py",
         "store = dist.PrefixStore(f\"attempt{env['TORCHELASTIC_RESTART_COUNT']}\", agent)",
@@ -369,6 +383,13 @@ BUGS = [
         'args.fault in ("mismatch", "uneven", "straggler")',
         'args.fault in ("mismatch", "uneven")',
         ["tests/test_debug.py::test_a_fault_that_needs_two_ranks_is_refused_on_one"],
+    ),
+    (
+        "lesson 9: the run compared with itself, not with --reference",
+        "ddp_from_scratch.py",
+        "zip(model.state_dict().values(), reference.state_dict().values(), strict=True)",
+        "zip(model.state_dict().values(), model.state_dict().values(), strict=True)",
+        ["tests/test_from_scratch.py::test_the_printed_difference_is_from_the_reference_file"],
     ),
     (
         "lesson 9: the naive sync does not divide",

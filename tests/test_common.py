@@ -34,7 +34,8 @@ def probe_records(result):
 
 
 def test_setup_under_torchrun():
-    result = run_torchrun(PROBE, nproc=2)
+    # All the cores: setup() would give each of the 2 ranks half of them, were it to override.
+    result = run_torchrun(PROBE, nproc=2, env=cpu_env(OMP_NUM_THREADS=os.cpu_count()))
     assert result.returncode == 0, result.stderr[-2000:]
     recs = probe_records(result)
     assert [r["rank"] for r in recs] == [0, 1]
@@ -42,10 +43,14 @@ def test_setup_under_torchrun():
         assert r["world_size"] == 2 and r["local_rank"] == r["rank"]
         assert r["backend"] == "gloo" and r["device"] == "cpu"
         assert r["rank_sum"] == 1.0  # the all-reduce really went across both processes
-        assert r["threads"] == 1  # OMP_NUM_THREADS=1 (cpu_env) is kept, not overridden
+        assert r["threads"] == os.cpu_count()  # OMP_NUM_THREADS is kept, not overridden
 
 
 def _spawned_probe(rank, world_size, port, out_dir):
+    # The environment the forkserver was started with is not this test's: set it here. 7 threads:
+    # a fresh process's default (all cores) on a 7-core machine, which setup() must not keep.
+    os.environ.pop("OMP_NUM_THREADS", None)
+    torch.set_num_threads(7)
     ddp = init_spawned(rank, world_size, port)
     t = torch.tensor([float(rank + 1)])
     torch.distributed.all_reduce(t)
@@ -55,14 +60,14 @@ def _spawned_probe(rank, world_size, port, out_dir):
     ddp_common.cleanup()
 
 
-def test_setup_under_mp_spawn(tmp_path, monkeypatch):
+def test_setup_under_mp_spawn(tmp_path):
     """mp.spawn: rank and world size passed in; without OMP_NUM_THREADS each of the 2 processes
     takes half the cores (not all of them each)."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     spawn(_spawned_probe, 2, str(tmp_path))
     recs = [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
     assert [(r["rank"], r["local_rank"], r["world"]) for r in recs] == [(0, 0, 2), (1, 1, 2)]
     assert all(r["sum"] == 3.0 for r in recs)
+    assert [r["threads"] for r in recs] == [max(1, os.cpu_count() // 2)] * 2
 
 
 # ---- launch mistakes: one `error:` line, non-zero exit, no hang, no traceback ----

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, assert_clean_failure, init_spawned, run_python, spawn
+from conftest import ROOT, assert_clean_failure, cpu_env, free_port, init_spawned, run_python, spawn
 
 import ddp_common
 
@@ -119,6 +119,23 @@ def test_the_readme_run_equals_torch_and_saves_the_tied_weights_once(readme_run)
     saved = torch.load(result.cwd / "torch.pt")["model"]
     assert saved.keys() == load_lesson(ROOT / "ddp_from_scratch.py").Net().state_dict().keys()
     assert saved["head.weight"].data_ptr() == saved["embed.weight"].data_ptr()
+
+
+def test_the_printed_difference_is_from_the_reference_file(tmp_path):
+    """--reference is what the README's "0.00e+00" is measured against: an all-zero reference
+    of the same model must print the largest weight, not 0 (one process, world size 1)."""
+    zeros = {
+        k: torch.zeros_like(v)
+        for k, v in load_lesson(ROOT / "ddp_from_scratch.py").Net().state_dict().items()
+    }
+    torch.save({"model": zeros}, tmp_path / "zeros.pt")
+    one_rank = dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1)
+    env = cpu_env(**one_rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    args = ["--sync", "bucket", "--steps", "1", "--reference", tmp_path / "zeros.pt"]
+    result = run_python("ddp_from_scratch.py", *args, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    difference = float(re.search(r"max \|w - w_torch\| (\S+)", result.stdout).group(1))
+    assert difference > 0.01, result.stdout
 
 
 def test_a_reference_that_is_missing_or_another_models_is_one_error_line(tmp_path):

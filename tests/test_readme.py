@@ -33,7 +33,10 @@
    `warning:` lines (they depend on the machine: noise, oversubscription) and torch's own
    `W1122 12:08:24 ...` log lines are not compared. A block must contain at least one compared
    line. A ```text values block (a run that reproduces line for line on any CPU: lessons 0 and 1)
-   is compared value by value too, to printing precision, all but the timings.
+   is compared value by value too, to printing precision, all but the timings. A stack frame in
+   one of the course's files (`ddp_debug.py", line 188`, py-spy's `(ddp_debug.py:225)`) tells the
+   reader which line to read: it must be printed now, number and all; and in every block, run or
+   measured, the line it names is code inside the function it names.
 
 3. Code. Every ```python block names its file (```python FILE) and each of its code lines appears
    in that file (comments aside, whitespace folded, `...` = omitted code); so do the added and
@@ -44,6 +47,7 @@ Also: the README's test command is what .ci/run runs; the worked example of grad
 is computed for real; every relative link resolves; the README stays a spine (no maintainer notes;
 its lesson sections are <= 120 lines each, tests/test_style.py)."""
 
+import ast
 import re
 import subprocess
 
@@ -208,6 +212,57 @@ def test_shown_output_matches_what_the_command_prints(command, output, readme_ru
             + "\n--- printed now (stdout+stderr, tail)\n"
             + "\n".join(actual[-40:])
         )
+
+    frames = own_frames(output.body) - own_frames("\n".join(actual))
+    assert not frames, (
+        f"{output.key}: these lines of the course's files are shown in a stack, but the command "
+        f"prints other line numbers now (the file changed): {sorted(frames)}\n"
+        + "\n".join(a for a in actual if OWN_FRAME.search(a))
+    )
+
+
+# A frame of a stack: `File ".../ddp_debug.py", line 188 in log` (Python; a traceback has
+# `, in`) or `train (ddp_debug.py:225)` (py-spy).
+OWN_FRAME = re.compile(r"([\w.]+\.py)(?:\", line |:)(\d+)")
+FRAME_WITH_FUNCTION = re.compile(
+    r"([\w.]+\.py)\", line (\d+),? in ([\w<>]+)|([\w.<>]+) \(([\w.]+\.py):(\d+)\)"
+)
+
+
+def own_frames(text):
+    """(file, line) of every frame in one of the course's own files (not torch's)."""
+    return {(f, int(n)) for f, n in OWN_FRAME.findall(text) if (ROOT / f).is_file()}
+
+
+def test_every_frame_shown_names_code_in_its_function():
+    """Output shown with a stack, run or measured: each frame in a course file names a line of
+    code (not a comment, not a blank) inside the function the frame names; and the prose that
+    says what such a line is says it of the line it names."""
+    wrong = []
+    for b in BLOCKS:
+        for m in FRAME_WITH_FUNCTION.finditer(b.body):
+            file, line, function = m[1] or m[5], int(m[2] or m[6]), (m[3] or m[4]).split(".")[-1]
+            if not (ROOT / file).is_file() or function == "<module>":
+                continue
+            source = (ROOT / file).read_text()
+            code = source.splitlines()[line - 1].strip() if line <= source.count("\n") else ""
+            spans = [
+                (node.lineno, node.end_lineno)
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name == function
+            ]
+            if not code or code.startswith("#") or not any(a <= line <= e for a, e in spans):
+                wrong.append(f"{b.key}: {m[0]} -> line {line} is {code!r}")
+    # Prose that reads such a frame: "Line 225 is `loss.backward()`", of the last frame's file.
+    for page in PAGES:
+        text = page.read_text()
+        for m in re.finditer(r"\b[Ll]ine (\d+) (?:is|the [\w-]+) `([^`]+)`", text):
+            frames = [f for f, _ in OWN_FRAME.findall(text[: m.start()]) if (ROOT / f).is_file()]
+            line = (ROOT / frames[-1]).read_text().splitlines()[int(m[1]) - 1] if frames else ""
+            if m[2] not in line:
+                wrong.append(f"{page.name}: {m[0]!r}, but that line is {line.strip()!r}")
+    assert not wrong, "\n".join(wrong)
 
 
 # Fields whose values depend on the machine's speed, never compared.
