@@ -7,7 +7,7 @@ line, fix it.
 
 Each fault is a few lines of an otherwise ordinary training loop, marked `# FAULT`; the lines
 that fix it are marked `# FIX`. The collective timeout is short (--timeout 10 s), so a job that
-hangs ends within seconds instead of after torch's default 10 minutes. The tools that point at
+hangs ends within seconds instead of after the other lessons' 10 minutes. The tools that point at
 the culprit (py-spy, monitored_barrier, TORCH_DISTRIBUTED_DEBUG, @record and torchrun's logs) are
 shown in the README, lesson 8, and in docs/debug.md.
 """

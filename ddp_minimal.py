@@ -4,8 +4,8 @@
 
 mp.spawn starts the processes; each joins the process group, wraps the same model in DDP and
 trains on its own shard of the data. DDP averages the gradients during backward, so every
-process takes the same step and the copies stay identical: 2 processes with batches of 16
-train like 1 process with batches of 32 (equal to float rounding). Every line there for DDP is
+process takes the same step and the copies stay identical: 2 processes with batches of 32
+train like 1 process with batches of 64 (equal to float rounding). Every line there for DDP is
 marked `# DDP:`.
 """
 
