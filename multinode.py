@@ -252,7 +252,8 @@ class Trainer:
             if self.step % self.args.log_every == 0 or self.step == self.last_step:
                 # DDP: every rank trained its batch: samples/s of the whole job.
                 samples = steps * self.global_batch
-                # .item() waits for the device: once per log line. (Rank 0's own loss.)
+                # .item() waits for the device: once per log line. The loss is rank 0's own
+                # (a mean over all ranks costs an all-reduce: lessons 2 and 3 pay it).
                 print0(
                     f"epoch {epoch + 1}/{self.args.epochs} | step {self.step}/{self.last_step}"
                     f" | loss {loss_sum.item() / steps:.4f}"
