@@ -145,7 +145,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         logged, start = self.step, time.perf_counter()
         for x, y in batches:
-            if self.step == self.last_step:
+            # >=: a run resumed past a smaller --max-steps trains nothing more.
+            if self.step >= self.last_step:
                 break
             loss_sum += self._run_batch(x, y)
             self.step += 1
@@ -186,6 +187,7 @@ class Trainer:
             "step": self.step,
             "epoch": self.step // len(self.loader),
             "world_size": self.ddp.world_size,
+            "global_batch": self.args.batch_size * self.ddp.world_size,
         }
         if self.powersgd is not None:
             state["powersgd"] = [None] * self.ddp.world_size
@@ -210,10 +212,11 @@ class Trainer:
         if ckpt is None:
             print0(f"resume: no {path} yet; starting from scratch")
             return
-        if ckpt["world_size"] != self.ddp.world_size:
-            # A step is B x W samples here (lesson 1's loader): on another W, other samples.
-            why = f"{path} was saved by {ckpt['world_size']} processes"
-            fail(f"{why}: resume it on as many (lesson 2 resumes on any)", 2, rank0_only=True)
+        saved = (ckpt["world_size"], ckpt.get("global_batch", 0))
+        if saved != (self.ddp.world_size, self.args.batch_size * self.ddp.world_size):
+            # A step is B x W samples here (lesson 1's loader): with another B or W, other samples.
+            why = f"{path} was saved by {saved[0]} processes x --batch-size {saved[1] // saved[0]}"
+            fail(f"{why}: resume it so (lesson 2 resumes on any world size)", 2, rank0_only=True)
         self.step = ckpt["step"]
         if self.args.zero:
             # ZeRO's load_state_dict leaves AdamW's `step` on the CPU, where fused AdamW on a GPU
@@ -241,7 +244,7 @@ class Trainer:
                 f"epoch {epoch + 1}/{self.args.epochs} | val_loss {loss:.4f} | val_acc {accuracy}"
             )
             self._save_checkpoint()
-            if self.step == self.last_step:
+            if self.step >= self.last_step:
                 break
         return loss, accuracy
 

@@ -245,7 +245,8 @@ class Trainer:
             stop = False
             if self.step % args.log_every == 0 or self.step == self.last_step:
                 samples = steps * self.global_batch
-                # DDP: add up every rank's loss: the mean over all samples since the last line.
+                # DDP: add up every rank's loss: the mean over the samples since the last line or
+                # the epoch's start (steps after an epoch's last line are not printed).
                 dist.all_reduce(loss_sum)
                 # .item() waits for the device: once per log line.
                 print0(

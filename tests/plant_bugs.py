@@ -362,6 +362,24 @@ BUGS = [
         ["tests/test_knobs.py::test_resume_with_zero_and_powersgd_continues_bitwise"],
     ),
     (
+        "lesson 7: a resume with another --batch-size goes through (its steps are other samples)",
+        "ddp_knobs.py",
+        "if saved != (self.ddp.world_size, self.args.batch_size * self.ddp.world_size):",
+        "if saved[0] != self.ddp.world_size:",
+        [
+            "tests/test_knobs.py::test_a_resume_with_another_batch_size_is_refused_and_one_past_max_steps_trains_nothing"
+        ],
+    ),
+    (
+        "lesson 7: a run resumed past --max-steps trains on (== where >= belongs)",
+        "ddp_knobs.py",
+        "            if self.step >= self.last_step:\n                break\n            loss_sum",
+        "            if self.step == self.last_step:\n                break\n            loss_sum",
+        [
+            "tests/test_knobs.py::test_a_resume_with_another_batch_size_is_refused_and_one_past_max_steps_trains_nothing"
+        ],
+    ),
+    (
         "lesson 8: the uneven fix without Join",
         "ddp_debug.py",
         "join = Join([model])",

@@ -59,6 +59,9 @@ SCENARIOS = {  # name -> (world size, flags); run in this order; {out}, {rank} f
         [f for f in RESUME if f != "--zero"]
         + ["--max-steps", "20", "--resume", "{out}/half/last.pt"],
     ),
+    # After "rest": half/last.pt is at step 20.
+    "other_batch": (2, RESUME + ["--batch-size", "128", "--resume", "{out}/half/last.pt"]),
+    "past_max_steps": (2, RESUME + ["--max-steps", "12", "--resume", "{out}/half/last.pt"]),
     "fp16": (2, HOOK + ["--comm-hook", "fp16"]),
     "bf16": (2, HOOK + ["--comm-hook", "bf16"]),
     "powersgd": (
@@ -234,7 +237,21 @@ def test_a_resume_on_another_world_size_is_refused_in_one_line(runs):
     result = res[0]["other_world"]
     errors = [line for line in result["err"].splitlines() if "error:" in line]
     assert result["code"] == 2 and len(errors) == 1, result
-    assert "was saved by 2 processes: resume it on as many" in errors[0]
+    assert "was saved by 2 processes x --batch-size 256: resume it so" in errors[0]
+
+
+def test_a_resume_with_another_batch_size_is_refused_and_one_past_max_steps_trains_nothing(runs):
+    """Another --batch-size would make the saved step other samples (it went through, training
+    part of an epoch again); a run resumed at step 20 with --max-steps 12 ends there (it trained
+    on to the end of --epochs: the loop stopped only at step == 12)."""
+    _, res = runs
+    result = res[0]["other_batch"]
+    errors = [line for line in result["err"].splitlines() if "error:" in line]
+    assert result["code"] == 2 and len(errors) == 1, result
+    assert "x --batch-size 256: resume it so" in errors[0]
+    assert not res[1]["other_batch"]["err"].count("error:")
+    out = res[0]["past_max_steps"]["out"]
+    assert "resumed:" in out and fields(out, "done")["steps"] == "20", out
 
 
 # ---------------------------------------------------------------------------------------------
