@@ -280,9 +280,9 @@ def main():
         return worker(None, None, args, prepare(args, int(os.environ["WORLD_SIZE"])))
     nproc = args.nproc or torch.cuda.device_count() or 1
     data = prepare(args, nproc)
-    # DDP: the workers meet at this address; mp.spawn starts processes on this machine only.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # DDP: the workers meet here: mp.spawn starts them on this machine (whatever a shell exported).
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
     # A failing worker is reported in one line below, not in torch's 40.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:

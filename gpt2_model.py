@@ -258,8 +258,11 @@ def pretrained(init_from):
     if not os.path.isfile(path):
         fail(f"--init-from {init_from}: want scratch, gpt2 or a model.safetensors (or its dir)")
     # safe_open reads the header only: the tensor shapes give the config.
-    with safe_open(path, "pt") as f:
-        shapes = {k.removeprefix("transformer."): f.get_slice(k).get_shape() for k in f.keys()}
+    try:
+        with safe_open(path, "pt") as f:
+            shapes = {k.removeprefix("transformer."): f.get_slice(k).get_shape() for k in f.keys()}
+    except Exception as e:  # an old pytorch_model.bin, a text file: no safetensors header
+        fail(f"--init-from {path}: not a safetensors file ({str(e).splitlines()[0][:100]})")
     if "wte.weight" not in shapes or "wpe.weight" not in shapes:
         fail(f"--init-from {path}: not a GPT-2 model.safetensors (no wte/wpe weights)")
     n_vocab, n_embd = shapes["wte.weight"]
@@ -268,8 +271,11 @@ def pretrained(init_from):
     # No shape says how many heads: config.json beside the file does, else GPT-2's 64-wide heads.
     config_json = os.path.join(os.path.dirname(path), "config.json")
     if os.path.isfile(config_json):
-        with open(config_json) as f:
-            n_head = json.load(f)["n_head"]
+        try:
+            with open(config_json) as f:
+                n_head = int(json.load(f)["n_head"])
+        except (ValueError, KeyError, TypeError) as e:
+            fail(f"{config_json}: no n_head (a GPT-2 config.json has one): {e!r}"[:300])
     else:
         n_head = n_embd // 64
     return path, GPTConfig(n_layer, n_head, n_embd, block_size, n_vocab)

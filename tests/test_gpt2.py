@@ -757,7 +757,14 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
     # hf_gpt2's progress bar, on stderr.
     capsys.readouterr()
     resume = ["--resume", str(tmp_path / "last.pt")]
+    # Files --init-from cannot use: an old PyTorch-format file, a config.json without n_head.
+    torch.save({"wte.weight": torch.zeros(3, 3)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "no_heads").mkdir()
+    shutil.copy(tmp_path / "hf" / "model.safetensors", tmp_path / "no_heads")
+    (tmp_path / "no_heads" / "config.json").write_text('{"n_layer": 2}')
     cases = [
+        (["--init-from", str(tmp_path / "pytorch_model.bin")], 2, "not a safetensors file"),
+        (["--init-from", str(tmp_path / "no_heads")], 2, "config.json: no n_head"),
         (["--text", str(tmp_path / "nope.txt")], 2, "is not a file"),
         (["--init-from", str(tmp_path / "no-such-dir")], 2, "--init-from"),
         (["--init-from", str(tmp_path / "hf")], 2, "--init-from has 50257 tokens"),
@@ -782,8 +789,11 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
 def test_a_failing_worker_is_one_line_and_the_parent_alone_fetched(tmp_path):
     """Rank 0 raises while saving (the checkpoint 'dir' is a file); rank 1 waits in the barrier.
     mp.spawn stops both; the parent prints one line, no 40-line traceback. The weights were
-    fetched once, by the parent, before any worker existed."""
+    fetched once, by the parent, before any worker existed. The workers met at 127.0.0.1 though
+    the shell had exported MASTER_ADDR/MASTER_PORT of an address nobody reaches."""
     env, probe = probe_env(tmp_path, hf=True)
+    # A shell that exported another job's rendezvous: mp.spawn's workers meet here all the same.
+    env.update(MASTER_ADDR="10.255.255.1", MASTER_PORT="1")
     story = write_story(tmp_path / "s.txt", 200)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
