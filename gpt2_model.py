@@ -86,6 +86,8 @@ class LMHeadLoss(torch.autograd.Function):
         rows = max(1, chunk // len(w))
         ctx.dx = torch.empty_like(x)
         ctx.dw = torch.zeros_like(w)
+        device = x.device.type
+        fp16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.half
         loss = 0.0
         for xs, ts, dxs in zip(x.split(rows), targets.split(rows), ctx.dx.split(rows), strict=True):
             logits = (xs @ w.t()).float()
@@ -98,8 +100,10 @@ class LMHeadLoss(torch.autograd.Function):
                 probs = logits.sub_(lse[:, None]).exp_()
                 probs[torch.arange(len(ts), device=ts.device), ts] -= 1
                 dxs.copy_(probs @ w)
-                # Under autocast: bf16 or fp16 products, summed in fp32.
-                ctx.dw += probs.t() @ xs
+                if fp16:  # over a chunk's rows, before any loss scale, fp16 can pass 65504
+                    ctx.dw.addmm_(probs.t(), xs.float())  # in place: not autocast, fp32
+                else:  # under autocast: bf16 products, summed in fp32
+                    ctx.dw += probs.t() @ xs
         return loss / len(x)
 
     @staticmethod

@@ -85,6 +85,15 @@ for dt in dts:
     err = [((a - b).norm() / b.norm()).item() for a, b in zip(torch.autograd.grad(ours * s, [x, w]), torch.autograd.grad(ref * s, [x, w]))]
     assert abs(ours.item() - ref.item()) < 1e-2 and max(err) < 3e-2, (dt, ours.item(), ref.item(), err)
     print(dt, 'loss', ours.item(), ref.item(), 'relative gradient error', err)
+# fp16: the head's weight gradient sums a chunk's rows before any loss scale (~82,000 here).
+x = torch.randn(4096, 64, device=d)
+x[:, 0] = 20
+w = (0.02 * torch.randn(320, 64, device=d)).requires_grad_()
+with torch.autocast(d, dtype=torch.float16):
+    loss = LMHeadLoss.apply(x, w, torch.full((4096,), 5, device=d), 257, True)
+(dw,) = torch.autograd.grad(loss, [w])
+assert dw.isfinite().all(), ('fp16 head gradient overflowed', dw[5, 0].item())
+print('fp16 head gradient, 4096 rows of one target:', dw[5, 0].item())
 print('done: l5 chunked loss = F.cross_entropy on', d, 'under autocast', dts)"
 check l6_benchmark "$PY" ddp_benchmark.py --steps 5 --warmup 1 --max-procs "$N"
 L7=(ddp_knobs.py --zero --sync-bn --comm-hook powersgd --powersgd-warmup 10 --epochs 1)

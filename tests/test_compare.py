@@ -77,6 +77,27 @@ def test_chunked_loss_under_autocast_matches_autograd(dtype, monkeypatch):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
+def test_chunked_loss_under_fp16_autocast_does_not_overflow(monkeypatch):
+    """The head's weight gradient sums a chunk's rows (5,336 on a GPU) before any loss scale:
+    in fp16 that can pass 65504, and no GradScaler scale brings it back (every step skipped).
+    Here 4,096 rows of one target with a feature of 20 sum to ~82,000; autograd, at the scale
+    a GradScaler backs off to, stays finite, and so must this."""
+    monkeypatch.setitem(gpt2_model.LOSS_CHUNK, "cpu", 2**22)  # all 4,096 rows in one chunk
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4096, 64, generator=g)
+    x[:, 0] = 20.0
+    x.requires_grad_()
+    w = (0.02 * torch.randn(320, 64, generator=g)).requires_grad_()
+    t = torch.full((4096,), 5)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ours = gpt2_model.LMHeadLoss.apply(x, w, t, 257, True)
+        ref = reference_loss(x, w, t, 257)
+    (dw,) = torch.autograd.grad(ours, [w])
+    (rw,) = torch.autograd.grad(ref, [w])
+    assert rw.isfinite().all() and dw.isfinite().all(), dw[5, 0]
+    assert ((dw - rw).norm() / rw.norm()).item() < 1e-2
+
+
 def test_model_loss_and_every_gradient_match_full_logits():
     """Through the whole GPT: the loss and the gradient of every parameter (the tied embedding gets
     both its uses) as with the full (batch, time, vocab) logits."""
