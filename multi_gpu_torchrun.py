@@ -182,6 +182,10 @@ class Trainer:
                     rank0_only=True,
                 )
             self.global_batch = checkpoint["global_batch"]
+            # Other data: its step counts would point at other samples.
+            data = f"--samples {len(self.train_set)}"
+            if checkpoint.get("data", data) != data:
+                fail(f"{self.path} trained on {checkpoint['data']}, not {data}", rank0_only=True)
         # A rank without a sample would not join the all-reduce.
         if world_size > self.global_batch:
             fail(f"{world_size} ranks share a global batch of {self.global_batch}", rank0_only=True)
@@ -313,6 +317,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "world_size": self.ddp.world_size,
             "rng": rngs,
+            "data": f"--samples {len(self.train_set)}",
         }
         # DDP: every process holds the same weights: rank 0 writes (atomically), the others wait.
         save_checkpoint(state, self.path)

@@ -96,6 +96,7 @@ def test_the_same_command_resumes_on_4_3_and_1_ranks_at_the_next_sample(tmp_path
     [
         ("another global batch", "has a global batch of 64, not --global-batch-size 32"),
         ("fewer samples than one global batch", "--samples 32 is less than one global batch"),
+        ("other data", "trained on --samples 256, not --samples 512"),
     ],
 )
 def test_a_global_batch_that_cannot_be_used_is_one_error_line(tmp_path, two_ranks, case, message):
@@ -103,6 +104,9 @@ def test_a_global_batch_that_cannot_be_used_is_one_error_line(tmp_path, two_rank
     if case == "another global batch":
         torch.save(two_ranks, tmp_path / "last.pt")
         argv[argv.index("64")] = "32"
+    elif case == "other data":
+        torch.save(two_ranks, tmp_path / "last.pt")
+        argv[argv.index("256")] = "512"
     else:
         argv[argv.index("256")] = "32"
     # One process with the variables torchrun would set: no agent needed to read the error.

@@ -39,7 +39,7 @@ RUN = ["--epochs", "3", "--samples", "256", "--batch-size", "16", "--hidden", "1
 RUN += ["--save-every", "3", "--log-every", "3"]
 STEPS = 24
 TIMEOUT = 240
-SCHEMA = {"model", "optimizer", "step", "epoch", "global_batch", "world_size", "rng"}
+SCHEMA = {"model", "optimizer", "step", "epoch", "global_batch", "world_size", "rng", "data"}
 
 
 def load(path):
