@@ -117,6 +117,8 @@ class Trainer:
         self.ddp = ddp
         self.device = ddp.device
         self.train_set = train_set
+        # What the snapshot trained on (lesson 2 names its data set the same way).
+        self.data_name = f"--samples {len(train_set)}"
         self.path = os.path.join(args.checkpoint_dir, "last.pt")
         # DDP: torchrun counts the attempts: 0 at launch, +1 at every restart.
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -183,9 +185,9 @@ class Trainer:
                 )
             self.global_batch = checkpoint["global_batch"]
             # Other data: its step counts would point at other samples.
-            data = f"--samples {len(self.train_set)}"
-            if checkpoint.get("data", data) != data:
-                fail(f"{self.path} trained on {checkpoint['data']}, not {data}", rank0_only=True)
+            if checkpoint.get("data", self.data_name) != self.data_name:
+                why = f"{self.path} trained on {checkpoint['data']}, not {self.data_name}"
+                fail(why, rank0_only=True)
         # A rank without a sample would not join the all-reduce.
         if world_size > self.global_batch:
             fail(f"{world_size} ranks share a global batch of {self.global_batch}", rank0_only=True)
@@ -317,7 +319,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "world_size": self.ddp.world_size,
             "rng": rngs,
-            "data": f"--samples {len(self.train_set)}",
+            "data": self.data_name,
         }
         # DDP: every process holds the same weights: rank 0 writes (atomically), the others wait.
         save_checkpoint(state, self.path)

@@ -187,7 +187,7 @@ BUGS = [
     (
         "lesson 3: a snapshot resumed on other data (another --samples)",
         "multi_gpu_torchrun.py",
-        'if checkpoint.get("data", data) != data:',
+        'if checkpoint.get("data", self.data_name) != self.data_name:',
         "if False:",
         ["tests/test_elastic.py::test_a_global_batch_that_cannot_be_used_is_one_error_line"],
     ),
