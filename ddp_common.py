@@ -12,8 +12,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-# rank: global, 0 .. world_size-1 over all nodes (picks the data shard); local_rank: on this
-# node (picks the GPU); device and backend: cuda:N and nccl, or cpu and gloo.
+# rank: 0 .. world_size-1 over all nodes (picks the data shard); local_rank: on this node (GPU).
 Dist = namedtuple("Dist", "rank local_rank world_size device backend")
 
 
@@ -42,10 +41,11 @@ def setup(backend="auto", rank=None, world_size=None, timeout_s=None):
     """Join the group. mp.spawn passes rank and world size; torchrun and srun set RANK etc."""
     env = os.environ
     if rank is None:
-        if "RANK" not in env:
-            fail(f"RANK is not set: start it with torchrun --nproc_per_node=2 {sys.argv[0]}")
-        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank, local_world_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+        try:
+            rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local_rank, local_world_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+        except KeyError as e:
+            fail(f"{e.args[0]} is not set: start it with torchrun --nproc_per_node=2 {sys.argv[0]}")
     else:
         # mp.spawn starts every process on this machine: local and global rank are the same.
         local_rank, local_world_size = rank, world_size

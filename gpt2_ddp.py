@@ -124,8 +124,9 @@ class Trainer:
         # fp16's small gradients underflow unless the loss is scaled up; bf16's do not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
         self.step = self._resume(model)
-        # DDP: wrap the model; its backward all-reduces the gradients in buckets, each .grad a
-        # view into its bucket (not a second copy). One process has nothing to all-reduce.
+        # DDP: wrap the model; its backward all-reduces the gradients in buckets, and after it
+        # each .grad is a view into its bucket (not a second copy). One process has nothing to
+        # all-reduce.
         self.model = DDP(model, gradient_as_bucket_view=True) if ddp.world_size > 1 else model
         # DDP first, then compile: the compiler sees DDP's buckets and overlaps their all-reduce.
         self.forward = torch.compile(self.model) if args.compile else self.model
@@ -171,8 +172,7 @@ class Trainer:
             loss_sum += loss.detach()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        # DDP: zeroed in place, each .grad stays a view into its bucket (one process: None).
-        self.optimizer.zero_grad(set_to_none=self.ddp.world_size == 1)
+        self.optimizer.zero_grad(set_to_none=True)
         return loss_sum
 
     def _run_epoch(self, epoch):

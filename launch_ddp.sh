@@ -154,9 +154,15 @@ if [[ -n $RDZV_ENDPOINT ]]; then
     [[ -z $NODE_RANK && -z $MASTER_ADDR_ARG && $PORT_SET == 0 ]] \
         || die "use either --rdzv-endpoint (c10d) or --node-rank/--master-addr/--master-port (static), not both"
     [[ $RDZV_ENDPOINT == *:* ]] || RDZV_ENDPOINT=$RDZV_ENDPOINT:29400
+    RDZV_PORT=${RDZV_ENDPOINT##*:}
+    is_uint "$RDZV_PORT" && [[ $RDZV_PORT -ge 1 && $RDZV_PORT -le 65535 ]] \
+        || die "--rdzv-endpoint's port must be a port number 1..65535, not '$RDZV_PORT'"
+    # "Nodes" on this machine (a rehearsal): the workers meet at 127.0.0.1, not at its name.
+    LOCAL=()
+    [[ $RDZV_ENDPOINT == 127.0.0.1:* || $RDZV_ENDPOINT == localhost:* ]] && LOCAL=(--local-addr=127.0.0.1)
     # c10d: every node runs this same line; the node whose address is HOST serves the store.
-    run "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC" --rdzv-backend=c10d \
-        --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" "$SCRIPT" "$@"
+    run "${TORCHRUN[@]}" ${LOCAL[@]+"${LOCAL[@]}"} --nnodes="$NNODES" --nproc-per-node="$NPROC" \
+        --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" "$SCRIPT" "$@"
 fi
 
 [[ -n $NODE_RANK && -n $MASTER_ADDR_ARG ]] \

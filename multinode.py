@@ -18,6 +18,7 @@ import hashlib
 import os
 import shutil
 import socket
+import sys
 import time
 
 import torch
@@ -104,16 +105,21 @@ def write_data(args, path):
     """Copies --data-source to path, or writes the generated set there, unless path exists."""
     if os.path.exists(path):
         return
-    # A copy that failed (torch.save's full disk: RuntimeError) shows later, as missing data.
-    with contextlib.suppress(OSError, RuntimeError):
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
         os.makedirs(args.data_dir, exist_ok=True)
-        partial = f"{path}.{os.getpid()}.tmp"
         if args.data_source:
             shutil.copyfile(args.data_source, partial)
         else:
             torch.save(make_data(args.seed, args.samples), partial)
         # Renamed when complete: a copy cut short is never taken for the data.
         os.replace(partial, path)
+    except (OSError, RuntimeError) as e:
+        # A full disk (torch.save: RuntimeError), a missing source: say why here; get_data then
+        # stops the job, and the copy cut short is not left to fill the disk at every requeue.
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        print(f"warning: staging {path} failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
 
 
 def show_ranks(ddp, data):
@@ -137,9 +143,12 @@ def get_data(args, ddp):
     path = stage_data(args, ddp)
     try:
         sets = torch.load(path, map_location="cpu", weights_only=True)
+        # A file made elsewhere may hold float64 features (numpy's default) or int32 labels.
+        x_train, x_test = sets["x_train"].float(), sets["x_test"].float()
+        y_train, y_test = sets["y_train"].long(), sets["y_test"].long()
         digest = hashlib.sha256()
-        for key in ("x_train", "y_train", "x_test", "y_test"):
-            digest.update(sets[key].numpy().tobytes())
+        for tensor in (x_train, y_train, x_test, y_test):
+            digest.update(tensor.contiguous().numpy())
         data = digest.hexdigest()[:12]
     except Exception:
         data = "none"
@@ -156,17 +165,18 @@ def get_data(args, ddp):
             code=1,
             rank0_only=True,
         )
-    train_set = TensorDataset(sets["x_train"], sets["y_train"])
-    return train_set, TensorDataset(sets["x_test"], sets["y_test"]), table
+    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test), table
 
 
 class Trainer:
-    def __init__(self, args, ddp, train_set, test_set):
+    def __init__(self, args, ddp, train_set, test_set, data_name):
         self.args = args
         self.ddp = ddp
         self.device = ddp.device
         self.train_set = train_set
         self.test_set = test_set
+        # What the checkpoint trained on: the data's digest (lessons 2 and 3 name theirs alike).
+        self.data_name = data_name
         torch.manual_seed(args.seed)
         x, y = train_set.tensors
         model = make_model(x.shape[1], int(y.max()) + 1).to(self.device)
@@ -195,16 +205,21 @@ class Trainer:
             path = os.path.join(self.args.checkpoint_dir, "last.pt")
             if not os.path.exists(path):
                 path = None
-        step = None
+        step = mine = None
         if path:
             ckpt = load_checkpoint(path, model=model, optimizer=self.optimizer)
             step = ckpt["step"]
+            # Node-local files of one step may come from two runs: the weights tell them apart.
+            digest = hashlib.sha256()
+            for tensor in ckpt["model"].values():
+                digest.update(tensor.contiguous().numpy())
+            mine = (step, digest.hexdigest()[:12])
         found = [None] * self.ddp.world_size
         # DDP: every rank must start from the same step, or they take different steps and hang.
         # With node-local disks some ranks may not see the file: compare what each found.
-        dist.all_gather_object(found, step)
+        dist.all_gather_object(found, mine)
         if len(set(found)) > 1:
-            why = f"ranks found different checkpoints (step by rank: {found})"
+            why = f"ranks found different checkpoints (step, weights by rank: {found})"
             fail(f"{why}: give every node the same one, or remove them all", 1, rank0_only=True)
         if step is None:
             if self.args.resume:
@@ -217,6 +232,9 @@ class Trainer:
                 "--batch-size x world size",
                 rank0_only=True,
             )
+        if ckpt.get("data", self.data_name) != self.data_name:
+            why = f"{path} trained on data {ckpt['data']}, not this run's {self.data_name}"
+            fail(f"{why}: resume with the same data, or another --checkpoint-dir", rank0_only=True)
         epoch = min(step // self.steps_per_epoch + 1, self.args.epochs)
         print0(
             f"resumed: {path} | step {step} | epoch {epoch}/{self.args.epochs} | world "
@@ -291,6 +309,7 @@ class Trainer:
             "epoch": self.step // self.steps_per_epoch,
             "global_batch": self.global_batch,
             "world_size": self.ddp.world_size,
+            "data": self.data_name,
         }
         # DDP: local rank 0 of EVERY node writes its node's copy, so each node resumes from its
         # own disk. (On a shared disk they write the same tensors, each atomically.)
@@ -320,7 +339,7 @@ def main():
     ddp = setup(args.backend)
     train_set, test_set, table = get_data(args, ddp)
     nodes = len({row[1] for row in table})
-    trainer = Trainer(args, ddp, train_set, test_set)
+    trainer = Trainer(args, ddp, train_set, test_set, data_name=table[0][-1])
     print0(
         f"start: world {ddp.world_size} | nodes {nodes} | backend {ddp.backend} | device "
         f"{ddp.device.type} | batch {args.batch_size}/process, {trainer.global_batch} global | "

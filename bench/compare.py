@@ -4,8 +4,8 @@
 
 - lesson 5 (gpt2_ddp.py) against karpathy/nanoGPT's train.py on the same work: GPT-2 with biases,
   4 layers x 128 wide, 4 heads, context 128, batch 8 per rank, the GPT-2 vocabulary padded to
-  50,304, AdamW, clip 1.0; fp32 on a CPU, bf16 on a GPU; 1 and 2 processes (--gpt-preset 124m:
-  GPT-2 124M).
+  50,304, AdamW (nanoGPT also clips at 1.0); fp32 on a CPU, bf16 on a GPU; 1 and 2 processes
+  (--gpt-preset 124m: GPT-2 124M).
 - lesson 2 (ddp_training.py) against the same job written with Lightning
   (bench/lightning_cifar.py): ResNet-18 with the CIFAR stem, crop + flip, SGD, warm-up + cosine,
   2 ranks x 32 (synthetic images).

@@ -267,6 +267,42 @@ BUGS = [
         ],
     ),
     (
+        "lesson 4: nodes agree on the step only (two runs' files of one step pass)",
+        "multinode.py",
+        "mine = (step, digest.hexdigest()[:12])",
+        'mine = (step, "unchecked")',
+        [
+            "tests/test_multinode.py::test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoint"
+        ],
+    ),
+    (
+        "lesson 4: a resume on other data than the checkpoint's",
+        "multinode.py",
+        'if ckpt.get("data", self.data_name) != self.data_name:',
+        "if False:",
+        [
+            "tests/test_multinode.py::test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoint"
+        ],
+    ),
+    (
+        "lesson 4: data files read as they are (float64 features from numpy)",
+        "multinode.py",
+        'x_train, x_test = sets["x_train"].float(), sets["x_test"].float()',
+        'x_train, x_test = sets["x_train"], sets["x_test"]',
+        [
+            "tests/test_multinode.py::test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoint"
+        ],
+    ),
+    (
+        "lesson 4: a copy cut short (a full disk) left on the node's disk",
+        "multinode.py",
+        "os.remove(partial)",
+        "pass",
+        [
+            "tests/test_multinode.py::test_a_node_without_the_data_or_with_another_copy_stops_the_job_in_one_line"
+        ],
+    ),
+    (
         "lesson 2: a resume on other data than the checkpoint's (--data auto's fallback)",
         "ddp_training.py",
         'if checkpoint.get("data", self.data_name) != self.data_name:',
@@ -314,6 +350,22 @@ BUGS = [
         'run "${TORCHRUN[@]}" --local-addr=127.0.0.1 --standalone',
         'run "${TORCHRUN[@]}" --standalone',
         ["tests/test_multinode.py::test_launch_ddp_runs_where_the_machine_name_does_not_resolve"],
+    ),
+    (
+        "lesson 4: launch_ddp.sh's c10d workers on one machine meet at its name",
+        "launch_ddp.sh",
+        "LOCAL=(--local-addr=127.0.0.1)",
+        "LOCAL=()",
+        ["tests/test_multinode.py::test_launch_ddp_runs_where_the_machine_name_does_not_resolve"],
+    ),
+    (
+        "lesson 5: DDP without gradient_as_bucket_view (a second copy of every gradient)",
+        "gpt2_ddp.py",
+        "self.model = DDP(model, gradient_as_bucket_view=True) if ddp.world_size > 1 else model",
+        "self.model = DDP(model) if ddp.world_size > 1 else model",
+        [
+            "tests/test_gpt2.py::test_torchrun_fetches_before_joining_keeps_gradients_in_buckets_and_compiles_ddp"
+        ],
     ),
     (
         "lesson 4: the Slurm script takes the first node with head -n 1 (SIGPIPE on long lists)",

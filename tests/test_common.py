@@ -93,6 +93,13 @@ def launcher_env(**env):
     )
 
 
+def test_a_launcher_that_sets_no_local_rank_gets_one_line():
+    """A launcher of one's own that exports RANK and WORLD_SIZE only (docs/troubleshooting.md)."""
+    env = launcher_env()
+    del env["LOCAL_WORLD_SIZE"]
+    assert_one_error(run_python(PROBE, timeout=60, env=env), 2, "LOCAL_WORLD_SIZE is not set")
+
+
 def test_port_in_use_names_the_port():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

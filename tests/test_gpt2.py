@@ -163,10 +163,11 @@ torch.compile = fake_compile
 _zero_grad = torch.optim.Optimizer.zero_grad
 
 def zero_grad(self, set_to_none=True):
+    # The gradients as the step used them, then how many zero_grad left None.
+    params = [p for group in self.param_groups for p in group["params"]]
+    kept = [p.grad for p in params if p.grad is not None]
     _zero_grad(self, set_to_none)
-    grads = [p.grad for group in self.param_groups for p in group["params"]]
-    kept = [g for g in grads if g is not None]
-    _record("grads", params=len(grads), none=len(grads) - len(kept),
+    _record("grads", params=len(params), used=len(kept), none=sum(p.grad is None for p in params),
             pointers=[g.data_ptr() for g in kept],
             storages=len({g.untyped_storage().data_ptr() for g in kept}))
 
@@ -448,7 +449,7 @@ README_RUN = "python gpt2_ddp.py --init-from gpt2"
 
 
 @pytest.mark.slow
-def test_spawn_launch_trains_saves_and_rank0_exports_alone(readme_run):
+def test_spawn_launch_trains_saves_and_exports_a_transformers_model(readme_run):
     """The README's lesson-5 command with its `# cpu:` flags (its run shared with test_readme.py):
     mp.spawn of 2 ranks, a tiny GPT-2 from scratch on the bytes of README.md, 20 steps. The
     validation loss is exact over both ranks' shards (each rank scores its own replica, so it
@@ -682,10 +683,10 @@ def test_a_resume_on_another_world_size_ends_as_the_uninterrupted_run(fine_tuned
 @pytest.mark.slow
 def test_torchrun_fetches_before_joining_keeps_gradients_in_buckets_and_compiles_ddp(tmp_path):
     """Under torchrun (no parent) each process prepares its own data, and fetches the weights
-    before it joins the group, so no collective waits on a download. 2 ranks: after each step
-    the gradients are zeroed in place, in the same memory every step (DDP's bucket views, fewer
-    storages than parameters; set_to_none would leave None), and --compile compiles the DDP
-    wrapper, so that the compiler sees its buckets."""
+    before it joins the group, so no collective waits on a download. 2 ranks: every step's
+    gradients are DDP's bucket views (fewer storages than parameters, the same memory every
+    step; without gradient_as_bucket_view each .grad would be a tensor of its own), and
+    --compile compiles the DDP wrapper, so that the compiler sees its buckets."""
     env, probe = probe_env(tmp_path, hf=True)
     story = write_story(tmp_path / "s.txt")
     result = run_torchrun(
@@ -706,7 +707,7 @@ def test_torchrun_fetches_before_joining_keeps_gradients_in_buckets_and_compiles
     assert [r["type"] for r in compiled] == ["DistributedDataParallel"] * 2
     for rank in ("0", "1"):
         steps = [g for g in records(probe, "grads") if g["rank"] == rank]
-        assert len(steps) == 4 and all(g["none"] == 0 for g in steps)
+        assert len(steps) == 4 and all(g["used"] == g["params"] for g in steps)
         # DDP rebuilds its buckets after the first step; from then on the same memory.
         assert steps[1]["pointers"] == steps[2]["pointers"] == steps[3]["pointers"]
         assert all(g["storages"] < g["params"] for g in steps)

@@ -39,6 +39,9 @@ RESTART_RUN = ["--samples", "512", "--batch-size", "32", "--log-every", "1000", 
 README = "--rdzv-endpoint 127.0.0.1:29400"
 
 
+SCHEMA = {"model", "optimizer", "step", "epoch", "global_batch", "world_size", "data"}
+
+
 def ckpt(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -62,12 +65,14 @@ def launch_env():
     return cpu_env(PATH=f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}", PYTHON=sys.executable)
 
 
-def as_srun_tasks(node_args, tmp_path, script="multinode.py"):
-    """One process per "node", started the way slurm/train_srun.sbatch's srun starts them."""
+def as_srun_tasks(node_args, tmp_path, script="multinode.py", wrap=None):
+    """One process per "node", started the way slurm/train_srun.sbatch's srun starts them; wrap:
+    {node: a command prefix} (a shell that sets a limit first)."""
     port = free_port()
     world = len(node_args)
     cmds = [
-        ["env", f"RANK={n}", "LOCAL_RANK=0", f"WORLD_SIZE={world}", "LOCAL_WORLD_SIZE=1"]
+        (wrap or {}).get(n, [])
+        + ["env", f"RANK={n}", "LOCAL_RANK=0", f"WORLD_SIZE={world}", "LOCAL_WORLD_SIZE=1"]
         + [f"SLURM_NODEID={n}", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}"]
         + [sys.executable, ROOT / script, *args]
         for n, args in enumerate(node_args)
@@ -82,7 +87,7 @@ def one_error_line(results, code=1):
     codes = [r.returncode for r in results]
     assert code in codes and all(codes), [(r.returncode, r.stderr[-2000:]) for r in results]
     lines = [line for r in results for line in error_lines(r)]
-    assert len(lines) == 1 and "Traceback" not in results[0].stderr, lines
+    assert len(lines) == 1 and not any("Traceback" in r.stderr for r in results), lines
     return lines[0]
 
 
@@ -121,6 +126,8 @@ def test_two_nodes_stage_their_own_data_and_save_their_own_checkpoint(readme_run
     assert [c["step"] for c in last] == [30, 30] and same_weights(
         last[0]["model"], last[1]["model"]
     )
+    # The checkpoint names its data: the digest every rank printed.
+    assert last[0].keys() == SCHEMA and last[0]["data"] == last[1]["data"] == rows[0][-1]
 
 
 @pytest.mark.slow
@@ -131,10 +138,15 @@ def test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoi
     2 nodes of 1 rank x 128: the same global batch, so the same samples per step. Each node stages
     the data from a --data-source (shared storage) into its own empty --data-dir. Then node 1
     loses its checkpoint: the next job stops with one line instead of letting node 1 start over
-    while node 0 resumes."""
+    while node 0 resumes; so it does when node 1 holds another run's file of the same step (its
+    own optimizer state would drift from node 0's), or when the data is not what it trained on."""
     done = readme_run(README)
     assert done.returncode == 0, done.stderr[-3000:]
-    source = done.cwd / "scratch" / "node0" / "data" / "points.pt"
+    # Shared storage holds the set as another tool wrote it: float64 features, int32 labels.
+    source = tmp_path / "shared" / "points.pt"
+    source.parent.mkdir()
+    sets = ckpt(done.cwd / "scratch" / "node0" / "data" / "points.pt")
+    torch.save({k: t.double() if k[0] == "x" else t.int() for k, t in sets.items()}, source)
     nodes = [tmp_path / f"node{n}" for n in (0, 1)]
     for n, node in enumerate(nodes):
         shutil.copytree(done.cwd / "scratch" / f"node{n}" / "ckpt", node / "ckpt")
@@ -165,27 +177,50 @@ def test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoi
         [[*args, "--data-dir", n / "data", "--checkpoint-dir", n / "ckpt"] for n in nodes],
         tmp_path,
     )
-    assert "ranks found different checkpoints (step by rank: [45, None])" in one_error_line(results)
+    line = one_error_line(results)
+    assert re.search(
+        r"different checkpoints \(step, weights by rank: \[\(45, '\w+'\), None\]", line
+    )
+    assert ckpt(nodes[0] / "ckpt" / "last.pt")["step"] == 45  # untouched
+
+    other_run = ckpt(nodes[0] / "ckpt" / "last.pt")
+    other_run["model"]["0.weight"][0, 0] += 0.5
+    torch.save(other_run, nodes[1] / "ckpt" / "last.pt")
+    results = as_srun_tasks(
+        [[*args, "--data-dir", n / "data", "--checkpoint-dir", n / "ckpt"] for n in nodes],
+        tmp_path,
+    )
+    line = one_error_line(results)
+    assert re.search(r"by rank: \[\(45, '(\w{12})'\), \(45, '(?!\1)\w{12}'\)\]\)", line), line
+
+    args = ["--samples", "2002", "--epochs", "4", "--batch-size", "256", "--resume", "auto"]
+    other_data = [*args, "--data-dir", tmp_path / "other", "--checkpoint-dir", nodes[0] / "ckpt"]
+    line = one_error_line(as_srun_tasks([other_data], tmp_path), code=2)
+    assert re.search(r"trained on data (\w{12}), not this run's (?!\1)\w{12}: resume with", line)
     assert ckpt(nodes[0] / "ckpt" / "last.pt")["step"] == 45  # untouched
 
 
 def test_a_node_without_the_data_or_with_another_copy_stops_the_job_in_one_line(tmp_path):
-    """Node 1 cannot reach the --data-source (a mount missing there): its --data-dir stays empty.
-    Then node 1's --data-dir holds a stale copy (another seed): training would average gradients
-    of two datasets. Either way every rank stops, with one line naming each node's copy."""
+    """Node 1 cannot stage the --data-source (its disk fills up: a file size limit): its
+    --data-dir stays empty, with no partial copy left to fill it further, and it says why. Then
+    node 1's --data-dir holds a stale copy (another seed): training would average gradients of
+    two datasets. Either way every rank stops, with one line naming each node's copy."""
     source = tmp_path / "shared" / "points.pt"
     source.parent.mkdir()
     torch.save(multinode.make_data(0, 64), source)
     small = ["--epochs", "1", "--batch-size", "8"]
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    sources = [source, tmp_path / "not-mounted" / "points.pt"]
+    full_disk = {1: ["bash", "-c", 'ulimit -f 4 && exec "$@"', "bash"]}  # 4 KiB
     results = as_srun_tasks(
-        [[*small, "--data-source", sources[n], "--data-dir", dirs[n]] for n in (0, 1)], tmp_path
+        [[*small, "--data-source", source, "--data-dir", dirs[n]] for n in (0, 1)],
+        tmp_path,
+        wrap=full_disk,
     )
     line = one_error_line(results)
     assert re.search(r"node 0 \(\S+\): [0-9a-f]{12}; node 1 \(\S+\): none\)", line), line
+    assert "warning: staging" in results[1].stderr and "File too large" in results[1].stderr
     assert (dirs[0] / "points.pt").read_bytes() == source.read_bytes()
-    assert not (dirs[1] / "points.pt").exists()
+    assert source.stat().st_size > 4096 and list(dirs[1].iterdir()) == []
 
     torch.save(multinode.make_data(1, 64), dirs[1] / "points.pt")
     results = as_srun_tasks(
@@ -277,8 +312,9 @@ def fake_nvidia_smi(folder, gpus):
 def test_launch_ddp_runs_where_the_machine_name_does_not_resolve(tmp_path):
     """A laptop offline or a fresh VM: `hostname` names no address. torchrun --standalone hands
     its workers that name as MASTER_ADDR (with the launcher's own store per attempt), and they
-    retried it until DDP_TIMEOUT; launch_ddp.sh gives them 127.0.0.1. The name is changed in a
-    UTS namespace of the test's own (root only)."""
+    retried it until DDP_TIMEOUT; launch_ddp.sh gives them 127.0.0.1, as it does to two "nodes"
+    meeting at 127.0.0.1 (c10d). The name is changed in a UTS namespace of the test's own (root
+    only)."""
     probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         if os.environ.get("DDP_COURSE_ROOT") == "1" or os.environ.get("CI") == "true":
@@ -293,10 +329,22 @@ def test_launch_ddp_runs_where_the_machine_name_does_not_resolve(tmp_path):
         "--checkpoint-dir",
         tmp_path / "ck",
     ]
-    script = "hostname ddp-course-no-such-host && exec bash " + " ".join(map(str, launch))
-    r = run(["unshare", "--uts", "bash", "-c", script], timeout=120, env=cpu_env(DDP_TIMEOUT="60"))
+    # Then two "nodes" on this machine (the README's rehearsal), c10d at 127.0.0.1, 1 rank each.
+    port = free_port()
+    nodes = [
+        [ROOT / "launch_ddp.sh", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint"]
+        + [f"127.0.0.1:{port}", "multinode.py", "--samples", "512", "--epochs", "1"]
+        + ["--data-dir", tmp_path / f"n{n}" / "data", "--checkpoint-dir", tmp_path / f"n{n}" / "ck"]
+        for n in (0, 1)
+    ]
+    node0, node1 = (" ".join(map(str, ["bash", *node])) for node in nodes)
+    script = (
+        f"hostname ddp-course-no-such-host && bash {' '.join(map(str, launch))}"
+        f" && ({node0} & pid=$!; {node1} && wait $pid)"
+    )
+    r = run(["unshare", "--uts", "bash", "-c", script], timeout=150, env=cpu_env(DDP_TIMEOUT="60"))
     assert_ok(r)
-    assert "done: world 2 | nodes 1" in r.stdout
+    assert "done: world 2 | nodes 1" in r.stdout and "done: world 2 | nodes 2" in r.stdout
 
 
 def test_launch_ddp_help_and_dry_run(tmp_path):
@@ -378,6 +426,7 @@ def test_launch_ddp_counts_only_the_gpus_cuda_visible_devices_allows(tmp_path):
         ["--nnodes", "2", "multinode.py"],
         ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "multinode.py"],
         ["--nnodes", "2", "--rdzv-endpoint", "h", "--node-rank", "0", "multinode.py"],
+        ["--dry-run", "--nnodes", "2", "--rdzv-endpoint", "h:x", "multinode.py"],
         ["--node-rank", "0", "--master-addr", "h", "multinode.py"],
         ["--slurm", "--master-addr", "h", "multinode.py"],
         ["--max-restarts", "-1", "multinode.py"],
