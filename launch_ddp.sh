@@ -29,7 +29,8 @@ it to Slurm. Options:
                         follow the nodes' addresses (HOST is one of the nodes; default port 29400)
   --rdzv-id ID          c10d rendezvous id, the same on every node of one job (default ddp-course)
   --max-restarts N      torchrun restarts the workers up to N times after a failure (default 0);
-                        pass --resume auto to the script so that they continue from the snapshot.
+                        the script must resume from its checkpoint (lesson 3 always does; the
+                        others with --resume auto), or each restart starts over.
                         Several nodes: only with --rdzv-endpoint (static rendezvous cannot)
   --slurm               submit with sbatch slurm/train.sbatch (one torchrun per node);
                         --nnodes sets --nodes, --nproc sets NPROC_PER_NODE and --gpus-per-node

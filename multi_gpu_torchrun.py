@@ -126,7 +126,8 @@ class Trainer:
         # The same initial weights in every process (DDP also copies rank 0's to all).
         torch.manual_seed(0)
         model = make_model(args.hidden, args.dropout).to(self.device)
-        # fused on CPUs too: a snapshot keeps the flag, so a CPU one resumes fused on a GPU.
+        # fused on CPUs too: load_state_dict takes the flag from the snapshot's param groups, so
+        # a snapshot saved on CPUs resumes fused on a GPU.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         # DDP: each process draws a different 1/world_size of the shuffled samples.
         self.sampler = DistributedSampler(train_set, ddp.world_size, ddp.rank, shuffle=True)
@@ -158,8 +159,9 @@ class Trainer:
         if len(set(found)) > 1:
             why = f"ranks found different checkpoints (step by rank: {found})"
             fail(f"{why}: give every rank the same one, or remove them all", 1, rank0_only=True)
-        # DDP: each rank a random stream of its own (dropout draws differ by rank), seeded by the
-        # step; on the same world size each takes back the one it saved (a CPU run's: no CUDA's).
+        # DDP: each rank a random stream of its own (dropout draws differ by rank), a seed per
+        # (step, rank); on the same world size each rank takes back the state it saved (a run on
+        # CPUs saved no CUDA state: the CUDA stream keeps this seed).
         torch.manual_seed(1000 * self.step + ddp.rank)
         if checkpoint and checkpoint["world_size"] == ddp.world_size:
             rng = checkpoint["rng"][ddp.rank]

@@ -171,13 +171,11 @@ def test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoi
     assert [(c["step"], c["world_size"]) for c in last] == [(45, 2), (45, 2)]
     assert same_weights(last[0]["model"], last[1]["model"])
 
+    # The refusals below: the lesson's main() in ranks forked as two nodes (torchrun's variables).
     (nodes[1] / "ckpt" / "last.pt").unlink()
     args = ["--samples", "4004", "--epochs", "4", "--batch-size", "128", "--resume", "auto"]
-    results = as_srun_tasks(
-        [[*args, "--data-dir", n / "data", "--checkpoint-dir", n / "ckpt"] for n in nodes],
-        tmp_path,
-    )
-    line = one_error_line(results)
+    per_node = [[*args, "--data-dir", n / "data", "--checkpoint-dir", n / "ckpt"] for n in nodes]
+    line = one_error_line(run_spawned("multinode.py", nodes=per_node))
     assert re.search(
         r"different checkpoints \(step, weights by rank: \[\(45, '\w+'\), None\]", line
     )
@@ -186,16 +184,12 @@ def test_a_static_job_on_another_world_size_resumes_from_each_nodes_own_checkpoi
     other_run = ckpt(nodes[0] / "ckpt" / "last.pt")
     other_run["model"]["0.weight"][0, 0] += 0.5
     torch.save(other_run, nodes[1] / "ckpt" / "last.pt")
-    results = as_srun_tasks(
-        [[*args, "--data-dir", n / "data", "--checkpoint-dir", n / "ckpt"] for n in nodes],
-        tmp_path,
-    )
-    line = one_error_line(results)
+    line = one_error_line(run_spawned("multinode.py", nodes=per_node))
     assert re.search(r"by rank: \[\(45, '(\w{12})'\), \(45, '(?!\1)\w{12}'\)\]\)", line), line
 
     args = ["--samples", "2002", "--epochs", "4", "--batch-size", "256", "--resume", "auto"]
     other_data = [*args, "--data-dir", tmp_path / "other", "--checkpoint-dir", nodes[0] / "ckpt"]
-    line = one_error_line(as_srun_tasks([other_data], tmp_path), code=2)
+    line = one_error_line(run_spawned("multinode.py", *other_data, nproc=1), code=2)
     assert re.search(r"trained on data (\w{12}), not this run's (?!\1)\w{12}: resume with", line)
     assert ckpt(nodes[0] / "ckpt" / "last.pt")["step"] == 45  # untouched
 
