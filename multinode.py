@@ -183,9 +183,10 @@ class Trainer:
         self.on_gpu = self.device.type == "cuda"
         # fused on CPUs too: a checkpoint keeps the flag, so a CPU one resumes fused on a GPU.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-        # DDP: global step s trains positions s*G .. (s+1)*G - 1 of the epoch's shuffle (rank r
-        # holds positions r, r+W, ...): with G = B x W that is rank r's samples s*B .. (s+1)*B - 1
-        # (lesson 2's my_share where W divides G), the same on any world size with the same G.
+        # DDP: the global batch G = B x W. Step s trains positions s*G .. (s+1)*G - 1 of the
+        # epoch's shuffle; rank r holds positions r, r+W, r+2W, ..., so its part is just its own
+        # samples s*B .. (s+1)*B - 1. With the same G, any world size trains the same samples at
+        # every step (lesson 2's my_share does this for any G; here W divides G).
         self.global_batch = args.batch_size * ddp.world_size
         self.steps_per_epoch = len(train_set) // self.global_batch
         if self.steps_per_epoch == 0:
@@ -215,8 +216,8 @@ class Trainer:
                 digest.update(tensor.contiguous().numpy())
             mine = (step, digest.hexdigest()[:12])
         found = [None] * self.ddp.world_size
-        # DDP: every rank must start from the same step, or they take different steps and hang.
-        # With node-local disks some ranks may not see the file: compare what each found.
+        # DDP: every rank must start from the same checkpoint, or they take different steps and
+        # hang. With node-local disks some ranks may not see the file: compare what each found.
         dist.all_gather_object(found, mine)
         if len(set(found)) > 1:
             why = f"ranks found different checkpoints (step, weights by rank: {found})"
