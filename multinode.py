@@ -122,6 +122,14 @@ def write_data(args, path):
         print(f"warning: staging {path} failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
 
 
+def digest(tensors):
+    """The first 12 hex digits of the SHA-256 of the tensors' bytes, in order."""
+    sha = hashlib.sha256()
+    for tensor in tensors:
+        sha.update(tensor.contiguous().numpy())  # the buffer itself: no copy to bytes
+    return sha.hexdigest()[:12]
+
+
 def show_ranks(ddp, data):
     """Every rank says where it runs and which data it read; rank 0 prints them all."""
     # torchrun numbers the nodes GROUP_RANK; srun (slurm/train_srun.sbatch) SLURM_NODEID.
@@ -146,10 +154,7 @@ def get_data(args, ddp):
         # A file made elsewhere may hold float64 features (numpy's default) or int32 labels.
         x_train, x_test = sets["x_train"].float(), sets["x_test"].float()
         y_train, y_test = sets["y_train"].long(), sets["y_test"].long()
-        digest = hashlib.sha256()
-        for tensor in (x_train, y_train, x_test, y_test):
-            digest.update(tensor.contiguous().numpy())
-        data = digest.hexdigest()[:12]
+        data = digest((x_train, y_train, x_test, y_test))
     except Exception:
         data = "none"
     table = show_ranks(ddp, data)
@@ -211,10 +216,7 @@ class Trainer:
             ckpt = load_checkpoint(path, model=model, optimizer=self.optimizer)
             step = ckpt["step"]
             # Node-local files of one step may come from two runs: the weights tell them apart.
-            digest = hashlib.sha256()
-            for tensor in ckpt["model"].values():
-                digest.update(tensor.contiguous().numpy())
-            mine = (step, digest.hexdigest()[:12])
+            mine = (step, digest(ckpt["model"].values()))
         found = [None] * self.ddp.world_size
         # DDP: every rank must start from the same checkpoint, or they take different steps and
         # hang. With node-local disks some ranks may not see the file: compare what each found.
