@@ -225,7 +225,7 @@ class Trainer:
                 param_state["step"] = param_state["step"].to(param.device)
         if self.powersgd is not None:
             self._restore_powersgd(ckpt.get("powersgd"))
-        print0(f"resumed: {path} at step {self.step}")
+        print0(f"resumed: {path} | step {self.step} | world {saved[0]} -> {self.ddp.world_size}")
 
     def _restore_powersgd(self, saved):
         if saved is None:

@@ -123,8 +123,7 @@ class Trainer:
         return loss.detach()
 
     def _run_epoch(self, epoch):
-        # DDP: a new shuffle every epoch, the same in every process; without it every epoch
-        # repeats epoch 0's order.
+        # DDP: a new shuffle every epoch, the same in every process (without it: epoch 0's order).
         self.sampler.set_epoch(epoch)
         # The loss summed on the device between log lines: no wait for the GPU per step.
         loss_sum = torch.zeros((), device=self.device)

@@ -149,7 +149,8 @@ class Trainer:
         # Saved without fp16 (an H100 run, requeued on a V100): no loss scale to take over.
         if ckpt["scaler"]:
             self.scaler.load_state_dict(ckpt["scaler"])
-        print0(f"resumed: {path} at step {ckpt['step']}, saved by {ckpt['world_size']} ranks")
+        was = ckpt["world_size"]
+        print0(f"resumed: {path} | step {ckpt['step']} | world {was} -> {self.ddp.world_size}")
         return ckpt["step"]
 
     def _run_batch(self, x, y):
@@ -176,8 +177,7 @@ class Trainer:
         return loss_sum
 
     def _run_epoch(self, epoch):
-        # DDP: a new shuffle every epoch, the same in every process; without it every epoch
-        # repeats epoch 0's order.
+        # DDP: a new shuffle every epoch, the same in every process (without it: epoch 0's order).
         self.sampler.set_epoch(epoch)
         mine = list(self.sampler)
         first = epoch * self.steps_per_epoch

@@ -503,7 +503,7 @@ def test_one_process_resumes_a_checkpoint_saved_without_fp16_under_fp16(readme_r
         env=env,
     )
     assert_ok(result)
-    assert "at step 20, saved by 2 ranks" in result.stdout
+    assert "| step 20 | world 2 -> 1" in result.stdout
     (start,) = lines_of(result.stdout, "start:")
     assert start["amp"] == "fp16" and start["world"] == "1"
     saved = torch.load(cwd / "checkpoints" / "lesson5" / "last.pt", weights_only=True)
@@ -643,7 +643,7 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(fine_tuned):
         for name in v:
             assert torch.equal(resumed["optimizer"]["state"][k][name], v[name]), (k, name)
     assert not torch.equal(half["model"]["wte.weight"], straight["model"]["wte.weight"])
-    assert "resumed: " in printed["resumed"] and "at step 4, saved by 2 ranks" in printed["resumed"]
+    assert "resumed: " in printed["resumed"] and "| step 4 | world 2 -> 2" in printed["resumed"]
     steps = {s: v for s, v in train_losses(printed["straight"]).items() if s > 4}
     assert train_losses(printed["resumed"]) == steps and list(steps) == [5, 6, 7]
     assert val_losses(printed["resumed"]) == {4: val_losses(printed["half"])[4]} | {
@@ -663,7 +663,7 @@ def test_a_resume_on_another_world_size_ends_as_the_uninterrupted_run(fine_tuned
     straight = torch.load(out / "ck" / "last.pt", weights_only=True)
     other = torch.load(out / "other" / "last.pt", weights_only=True)
     assert (other["step"], other["world_size"], other["global_batch"]) == (7, 1, 8)
-    assert "at step 4, saved by 2 ranks" in printed["other"]
+    assert "| step 4 | world 2 -> 1" in printed["other"]
     for k, v in straight["model"].items():
         torch.testing.assert_close(other["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
     assert val_losses(printed["other"]).keys() == {4, 6, 7}

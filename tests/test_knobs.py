@@ -194,7 +194,7 @@ def test_resume_with_zero_and_powersgd_continues_bitwise(runs):
     straight, resumed = _ckpt(out, "straight"), _ckpt(out, "rest")
     assert straight["step"] == resumed["step"] == 20 and straight["epoch"] == 2
     assert "resume: no " in res[0]["straight"]["out"]  # --resume auto, nothing there yet
-    assert f"resumed: {out}/half/last.pt at step 11" in res[0]["rest"]["out"]
+    assert f"resumed: {out}/half/last.pt | step 11 | world 2 -> 2" in res[0]["rest"]["out"]
     ps = straight["powersgd"]
     assert len(ps) == 2 and ps[0]["iter"] == 20 and ps[0]["error_dict"]
     assert not all(

@@ -333,7 +333,7 @@ def test_the_same_command_resumes_on_another_world_size(runs, name):
     out, results = runs
     size = len(results[name])
     stdout = results[name][0]["stdout"]
-    assert f"resumed: {out / 'half_w2' / 'last.pt'} at step 7, saved by 2 ranks" in stdout
+    assert f"resumed: {out / 'half_w2' / 'last.pt'} | step 7 | world 2 -> {size}" in stdout
     start = fields(stdout, "start:")[0]
     assert start["world"] == str(size) and start["batch"] == "4/micro-batch, 16 global"
     assert start["steps"] == "7->10 of 10" and start["lr"] == f"{LR * GLOBAL_BATCH / 256:g}"
