@@ -99,7 +99,7 @@ class NaiveSync:
     def drop_unused(self, used_here):
         # DDP: a parameter no rank used gets no gradient (momentum would move it on zeros). As in
         # torch's reducer the map is pinned: its copy to the GPU does not wait for the all-reduces.
-        used = torch.tensor(used_here, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        used = torch.tensor(used_here, dtype=torch.int32, pin_memory=self.params[0].is_cuda)
         used = used.to(self.params[0].device, non_blocking=True)
         dist.all_reduce(used)
         if not all(used_here):

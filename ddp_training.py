@@ -2,10 +2,9 @@
 
     torchrun --standalone --nproc_per_node=4 ddp_training.py    # 4 GPUs (CPUs: --model cnn)
 
-Its one idea: a step is one global batch G, the same samples on any world size; each rank trains
-its share (my_share) in micro-batches, all-reducing after the last (no_sync). Around it, in the
-Trainer shape of lesson 1: AMP, clipping, warm-up + cosine, exact resume, best-k, compile. Data
-and models are in training_data.py: replace it for your job."""
+One idea: a step is one global batch G, the same samples on any world size; each rank trains its
+share (my_share) in micro-batches, all-reducing after the last (no_sync). Around it, in lesson 1's
+Trainer: AMP, clipping, warm-up + cosine, exact resume, best-k. Data, models: training_data.py."""
 
 import contextlib
 import math
@@ -88,10 +87,13 @@ class Trainer:
         torch.manual_seed(args.seed)
         # NHWC: faster convolutions on GPUs (tensor cores) and CPUs (oneDNN).
         model = build_model(args.model).to(self.device, memory_format=torch.channels_last)
-        # fused: one kernel for the whole update. The LR is set before every step.
+        # fused: one kernel for the whole update. Momentum starts at zero: fused SGD's own start is
+        # new memory, kept as it is if fp16's scaler skips the first step (torch 2.11-2.14).
         self.optimizer = torch.optim.SGD(
             model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, fused=True
         )
+        for p in model.parameters():
+            self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
         # fp16's small gradients underflow unless the loss is scaled up; bf16's do not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == "fp16")
         self.best = []
@@ -245,13 +247,11 @@ class Trainer:
         # DDP: the bare model: a forward through the wrapper may start a collective that
         # processes with fewer test batches never join.
         model = self.model.module
-        # DDP: BatchNorm's running statistics are buffers each rank updated from its own
-        # batches: all take rank 0's, the ones its checkpoints hold.
+        # DDP: BatchNorm's running statistics differ by rank: all take rank 0's (its checkpoints').
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         model.eval()
-        # DDP: process r scores samples r, r+W, r+2W, ...; a DistributedSampler would pad the
-        # shards with repeated samples to make them equal.
+        # DDP: process r scores samples r, r+W, r+2W, ... (DistributedSampler would add repeats).
         shard = Subset(dataset, range(self.ddp.rank, len(dataset), self.ddp.world_size))
         totals = torch.zeros(3, device=self.device)
         for images, labels in DataLoader(shard, batch_size=2 * self.args.batch_size):

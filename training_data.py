@@ -1,7 +1,6 @@
 """What lesson 2 (ddp_training.py) needs but does not teach: CIFAR-10 or a synthetic stand-in,
 the models, and augmentation. To adapt the template to your own job, replace this file."""
 
-import contextlib
 import os
 import pickle
 
@@ -93,16 +92,19 @@ def read_cifar(data_dir):
 
 
 def fetch_cifar(data_dir):
-    """Download and unpack CIFAR-10 into data_dir, unless its files are there. A fetch that
-    fails (offline) shows later, when the ranks read the files."""
+    """Download and unpack CIFAR-10 into data_dir, unless its files are there. Returns why the
+    download failed, or None: it shows later, if the ranks cannot read the files."""
     paths = [os.path.join(data_dir, "cifar-10-batches-py", name) for name in CIFAR_FILES]
     if not all(os.path.isfile(path) for path in paths):
         from torchvision.datasets import CIFAR10
         from torchvision.datasets.utils import download_and_extract_archive
 
         # The archive's checksum is checked; nothing is unpickled here.
-        with contextlib.suppress(Exception):
+        try:
             download_and_extract_archive(CIFAR10.url, data_dir, md5=CIFAR10.tgz_md5)
+        except Exception as e:
+            return f"the download failed: {' '.join(str(e).split())[:200]}"
+    return None
 
 
 def get_data(args, ddp):
@@ -112,17 +114,19 @@ def get_data(args, ddp):
     if args.data != "synthetic":
         # DDP: two rounds, a barrier after each: global rank 0 fetches, then each node's local
         # rank 0 fetches what its node still lacks (node-local disks: lesson 4 explains it). No
-        # two processes ever write one folder at once, shared disk or not.
+        # two processes write one folder at once, unless rank 0's fetch failed on a shared disk.
+        failed = None
         if ddp.rank == 0:
-            fetch_cifar(args.data_dir)
+            failed = fetch_cifar(args.data_dir)
         dist.barrier()
         if ddp.local_rank == 0:
-            fetch_cifar(args.data_dir)
+            failed = fetch_cifar(args.data_dir) or failed
         dist.barrier()
         try:
             files = read_cifar(args.data_dir)
         except Exception as e:
             problem = f"rank {ddp.rank}: {' '.join(str(e).split())[:200]}"
+            problem += f"; {failed}" if failed else ""
     problems = [None] * ddp.world_size
     # DDP: every rank reads its own --data-dir: all must train on the same data, or none.
     dist.all_gather_object(problems, problem)
@@ -149,6 +153,8 @@ def get_data(args, ddp):
     train = order[len(order) // 10 :].sort().values
     val = order[: len(order) // 10].sort().values
     train_set = TensorDataset(x[train], y[train], torch.arange(len(train)))
+    # What a checkpoint trained on: the set, its size and --seed (the shuffles follow it).
+    name = f"{name} ({len(x)} images, seed {args.seed})"
     return name, train_set, TensorDataset(x[val], y[val]), TensorDataset(test_x, test_y)
 
 

@@ -32,8 +32,9 @@
    rows (lines that start with a number), free text (a generated sample), elisions (`...`),
    `warning:` lines (they depend on the machine: noise, oversubscription) and torch's own
    `W1122 12:08:24 ...` log lines are not compared. A block must contain at least one compared
-   line. A ```text values block (a run that reproduces line for line on any CPU: lessons 0 and 1)
-   is compared value by value too, to printing precision, all but the timings. A stack frame in
+   line. A ```text values block (a run whose numbers hold on other CPUs: lessons 0 and 1) is
+   compared value by value too, to 1% (lesson 1's convolutions round differently on CPUs with
+   other vector instructions: 0.3% apart), all but the timings. A stack frame in
    one of the course's files (`ddp_debug.py", line 188`, py-spy's `(ddp_debug.py:225)`) tells the
    reader which line to read: it must be printed now, number and all; and in every block, run or
    measured, the line it names is code inside the function it names.
@@ -269,9 +270,10 @@ def test_every_frame_shown_names_code_in_its_function():
 TIMINGS = {"time", "samples/s", "tokens/s", "eta"}
 
 
-def same_values(shown, printed, rel=1e-3, abs_=2e-4):
+def same_values(shown, printed, rel=1e-2, abs_=2e-4):
     """```text values: the shown line and a printed one have the same shape and the same numbers
-    (to printing precision: rel 1e-3, abs 2e-4) in every field but the timings."""
+    (to 1%: ATEN_CPU_CAPABILITY=default printed lesson 1's loss 0.5794 and 8618 right where AVX2
+    printed 0.5810 and 8601) in every field but the timings."""
     if shape(shown) != shape(printed):
         return False
     for a, b in zip(shown.split(" | "), printed.split(" | "), strict=True):
@@ -290,7 +292,8 @@ def same_values(shown, printed, rel=1e-3, abs_=2e-4):
 def test_value_rule_compares_numbers_but_not_timings():
     shown = "epoch 1/2 | step 20/60 | loss 2.2373 | 2677 samples/s"
     assert same_values(shown, "epoch 1/2 | step 20/60 | loss 2.2374 | 1 samples/s")
-    assert not same_values(shown, "epoch 1/2 | step 20/60 | loss 2.2473 | 2677 samples/s")
+    assert same_values(shown, "epoch 1/2 | step 20/60 | loss 2.2473 | 2677 samples/s")
+    assert not same_values(shown, "epoch 1/2 | step 20/60 | loss 2.2873 | 2677 samples/s")
     assert not same_values(shown, "epoch 1/2 | step 40/60 | loss 2.2373 | 2677 samples/s")
     done = "done: world 2 | loss 0.0940 (first epoch 0.2679) | time 0.5s"
     assert same_values(done, done.replace("0.5s", "9.9s"))

@@ -11,6 +11,7 @@ tests/test_multinode.py.
 """
 
 import contextlib
+import functools
 import io
 import math
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -72,7 +74,11 @@ TRAINING = {
         SMALL + ["--model", "cnn-bn", "--amp", "fp16", "--clip-grad", "1", "--resume", "AMP_OFF"],
     ),
     "bf16": (2, SMALL + ["--model", "cnn", "--amp", "bf16", "--clip-grad", "1"]),
+    # fp16 from scratch, its first steps overflowing as a large model's do: the scaler starts at
+    # 2^30 here (FIRST_SCALE, set on torch's GradScaler, not in the lesson), and skips them.
+    "fp16_skips": (2, SMALL + ["--model", "cnn-bn", "--amp", "fp16", "--max-steps", "15"]),
 }
+FIRST_SCALE = {"fp16_skips": 2.0**30}
 
 
 class Python2Pickler(pickle._Pickler):
@@ -190,6 +196,9 @@ def run_main(rank, world_size, port, argv, probe=None):
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(), **counts}
 
 
+GRAD_SCALER_INIT = torch.amp.GradScaler.__init__
+
+
 def _training_worker(rank, world_size, port, out, ports):
     from pathlib import Path
 
@@ -201,7 +210,11 @@ def _training_worker(rank, world_size, port, out, ports):
             if rank < size:
                 argv = [where.get(f, f) for f in flags]
                 argv += ["--data-dir", out / "data", "--checkpoint-dir", out / name]
-                results[name] = run_main(rank, size, ports[name], argv, probe)
+                init = functools.partialmethod(
+                    GRAD_SCALER_INIT, init_scale=FIRST_SCALE.get(name, 2.0**16)
+                )
+                with mock.patch.object(torch.amp.GradScaler, "__init__", init):
+                    results[name] = run_main(rank, size, ports[name], argv, probe)
     torch.save(results, out / f"training{rank}.pt")
 
 
@@ -419,7 +432,7 @@ def test_checkpoint_contents_and_best_k(runs):
         "best",
     }
     assert last["global_batch"] == 16 and last["world_size"] == 2 and last["scaler"] == {}
-    assert last["data"] == "cifar10"
+    assert last["data"] == f"cifar10 (105 images, seed {SEED})"
     assert not any(k.startswith("module.") for k in last["model"])
     assert len(last["best"]) == 1
     accuracy, epoch = last["best"][0]
@@ -468,6 +481,21 @@ def test_mixed_precision_on_cpu_learns(runs, name):
     assert losses[-1] < math.log(10), stdout
     scaler = ckpt(out, name)["scaler"]
     assert ("scale" in scaler) == (name == "amp_fp16")
+
+
+def test_fp16_steps_the_scaler_skips_first_leave_the_weights_as_they_were(runs):
+    """Fused SGD's first step takes new, unwritten memory as its momentum, and keeps it when the
+    scaler skips that step (an fp16 overflow); the next step adds it to the weights. Before the
+    fix (no zeroed momentum): weights of 1e36 and `test_loss nan` within these 15 steps."""
+    out, results = runs
+    for result in results["fp16_skips"].values():
+        assert result["code"] == 0, result["stderr"][-2000:]
+    state = ckpt(out, "fp16_skips")
+    assert state["scaler"]["scale"] <= 2.0**16, state["scaler"]  # it skipped 14 steps or more
+    weights = [v for v in state["model"].values() if v.is_floating_point()]
+    assert max(v.abs().max().item() for v in weights) < 100
+    (done,) = fields(results["fp16_skips"][0]["stdout"], "done:")
+    assert math.isfinite(float(done["test_loss"])), done
 
 
 # ---- failures: one error line, the right exit code, no traceback -------------------------------
@@ -528,6 +556,9 @@ def failures(runs):
         "no_validation": common + ["--subset", "9"],
         # A requeued job whose --data auto found no CIFAR-10 would train on synthetic images.
         "other_data": common + ["--resume", last, "--data", "synthetic", "--subset", "400"],
+        # The same set, but another part of it, or shuffled by another seed.
+        "other_subset": common + ["--resume", last, "--subset", "50"],
+        "other_seed": common + ["--resume", last, "--seed", str(SEED + 1)],
     }
     cases = {name: [str(a) for a in argv] for name, argv in cases.items()}
     spawn(_failure_worker, 2, str(out), cases, {name: free_port() for name in cases})
@@ -585,19 +616,27 @@ def test_a_global_batch_the_data_or_the_ranks_cannot_fill_is_refused(failures):
 
 
 def test_cifar10_unavailable_offline_is_one_error_line(failures):
+    """The line says why the download failed (here: the proxy refuses), not only that the files
+    are missing: offline, or a certificate the machine does not trust, read differently."""
     _, results, _ = failures
-    assert "--data synthetic" in one_error_line(results, "offline", code=1)
+    error = one_error_line(results, "offline", code=1)
+    assert "--data synthetic" in error and "the download failed: <urlopen error" in error, error
 
 
 def test_data_a_run_cannot_use_is_refused_before_training(failures):
     """Labels outside CIFAR-10's ten classes, a subset with nothing to validate on, and a resume
     on other data than the checkpoint's (--data auto falls back to synthetic where CIFAR-10 is
-    missing): one line each, before any step."""
+    missing; another --subset; another --seed, which shuffles the epochs otherwise): one line
+    each, before any step."""
     _, results, _ = failures
     assert "labels outside 0..9" in one_error_line(results, "bad_labels", code=1)
     assert "9 training images" in one_error_line(results, "no_validation", code=2)
     error = one_error_line(results, "other_data", code=1)
-    assert "trained on cifar10, not synthetic" in error
+    assert f"trained on cifar10 (105 images, seed {SEED}), not synthetic (400 images" in error
+    error = one_error_line(results, "other_subset", code=1)
+    assert f"trained on cifar10 (105 images, seed {SEED}), not cifar10 (50 images" in error
+    error = one_error_line(results, "other_seed", code=1)
+    assert f"(105 images, seed {SEED}), not cifar10 (105 images, seed {SEED + 1})" in error
 
 
 def test_a_cifar_file_that_would_run_code_is_refused(failures):
