@@ -109,6 +109,10 @@ check l3_cpu_snapshot env CUDA_VISIBLE_DEVICES= "${TR[@]}" multi_gpu_torchrun.py
     --checkpoint-dir "$C/l3cpu"
 check l7_cpu_zero_save env CUDA_VISIBLE_DEVICES= "${TR[@]}" "${L7[@]}" --max-steps 20 \
     --checkpoint-dir "$C/l7cpu"
+# fp16 from scratch, its first steps skipped by the scaler (it starts at 2^30): fused SGD's CUDA
+# kernel must leave the zeroed momentum as it was (tests/training_faults.py checks the weights).
+check l2_fp16_first_steps_skipped "${TR[@]}" tests/training_faults.py --first-scale 1073741824 \
+    "${L2[@]:1}" --amp "$FP16" --max-steps 30 --checkpoint-dir "$C/l2skip"
 # Checks that resume what an earlier one saved.
 after l2_bf16_compile
 # The bf16 checkpoint (no loss scale in it) resumed under fp16 + GradScaler, with clipping.
